@@ -1,0 +1,284 @@
+"""Command line: flags -> recipe -> one API call. No pipeline logic lives here.
+
+User errors (:class:`optkit.errors.UserError`) print one message and exit with code 2;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from optkit import __version__
+from optkit.errors import RecipeError, UserError
+
+app = typer.Typer(
+    name="optkit",
+    help="Quantize an LLM checkpoint into a verified artifact that standard runtimes load.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+out_console = Console()
+err_console = Console(stderr=True)
+
+
+class Scheme(str, Enum):
+    w8a16 = "w8a16"
+    w4a16 = "w4a16"
+
+
+class Precision(str, Enum):
+    b16 = "16bit"
+    int8 = "int8"
+
+
+class ChatTemplate(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+def _version(value: bool) -> None:
+    if value:
+        out_console.print(f"optkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+) -> None:
+    """optkit: checkpoint -> calibrate -> quantize -> export, with the evidence to ship it."""
+
+
+def _group_size(value: str | None) -> int | str | None:
+    if value is None or value == "channel":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise RecipeError(f"--group-size: {value!r} is not a number or 'channel'") from None
+
+
+def _quiet_libraries() -> None:
+    """transformers draws its own tqdm bars while loading; optkit's stages replace them."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _print_summary(result) -> None:  # result: optkit.pipeline.QuantizeResult
+    s = result.to_json()
+    t = Table(title=f"optkit quantize: {result.model_name}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("scheme", f"{s['scheme']} ({result.plan and 'rtn'}), unquantized tensors and scales in {s['dtype']}")
+    by_scheme: dict[str, int] = {}
+    for sch in [*result.plan.linears.values(), *result.plan.embeddings.values()]:
+        by_scheme[sch.label()] = by_scheme.get(sch.label(), 0) + 1
+    t.add_row("quantized", ", ".join(f"{n} layers {lbl}" for lbl, n in by_scheme.items()))
+    t.add_row(
+        "params",
+        f"{s['params_quantized'] / 1e6:,.1f}M of {s['params_total'] / 1e6:,.1f}M quantized "
+        f"({100 * s['params_quantized'] / s['params_total']:.1f}%)",
+    )
+    t.add_row("kept 16-bit", ", ".join(result.plan.excluded) if result.plan.excluded else "none")
+    if result.plan.skipped:
+        t.add_row("SKIPPED", "\n".join(f"{n}: {why}" for n, why in result.plan.skipped.items()))
+    else:
+        t.add_row("skipped", "none")
+    c = s["calibration"]
+    t.add_row(
+        "calibration",
+        f"{c['num_samples']} x {c['seq_len']} tokens from {c['source']} (seed {c['seed']}), "
+        f"fingerprint {c['fingerprint'][:12]}",
+    )
+    t.add_row(
+        "size",
+        f"{_mb(s['bytes_16bit'])} at 16-bit -> {_mb(s['weight_bytes'])} weights "
+        f"({s['size_ratio']:.3f}x, {s['bits_per_weight']:.2f} bits/weight); artifact {_mb(s['artifact_bytes'])}",
+    )
+    t.add_row("time", ", ".join(f"{k.split(' (')[0].lower()} {v:.1f}s" for k, v in s["timings_s"].items()) +
+              f"; total {sum(s['timings_s'].values()):.1f}s")
+    t.add_row("artifact", f"{s['artifact']}  (check it with: optkit verify {s['artifact']})")
+    out_console.print(t)
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def _run(recipe, summary_json: Path | None) -> None:
+    from optkit.pipeline import run_recipe
+    from optkit.progress import RichReporter
+
+    _quiet_libraries()
+    result = run_recipe(recipe, RichReporter(err_console))
+    _print_summary(result)
+    if summary_json is not None:
+        _write_json_atomic(summary_json, result.to_json())
+
+
+SummaryOpt = Annotated[Optional[Path], typer.Option("--summary-json", help="Also write the summary as JSON here.")]
+
+
+@app.command()
+def quantize(
+    model: Annotated[str, typer.Argument(help="'default', a HF model directory, a .gguf file, or a hub id.")] = "default",
+    scheme: Annotated[Scheme, typer.Option(help="Weight bits: w8a16 (int8) or w4a16 (int4).")] = Scheme.w4a16,
+    group_size: Annotated[
+        Optional[str], typer.Option(help="32, 64, 128, 256 or 'channel'. Default: channel (w8a16), 128 (w4a16).")
+    ] = None,
+    asym: Annotated[bool, typer.Option("--asym", help="Asymmetric (integer zero point per group).")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Artifact directory (default artifacts/<model>-<scheme>).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing artifact at --out.")] = False,
+    include: Annotated[Optional[list[str]], typer.Option(help="Glob or re:REGEX of Linear layers to quantize (repeatable).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(help="Glob or re:REGEX of Linear layers to keep 16-bit (repeatable).")] = None,
+    lm_head: Annotated[Precision, typer.Option(help="Output projection precision.")] = Precision.b16,
+    embeddings: Annotated[Precision, typer.Option(help="Input embedding precision.")] = Precision.b16,
+    allow_skip: Annotated[bool, typer.Option("--allow-skip", help="Keep layers that do not fit the group size in 16-bit.")] = False,
+    dtype: Annotated[DType, typer.Option(help="dtype of unquantized tensors and scales.")] = DType.auto,
+    calib: Annotated[str, typer.Option(help="'builtin', a .txt/.jsonl/.parquet file, or hf:DATASET.")] = "builtin",
+    calib_split: Annotated[str, typer.Option(help="Dataset split for hf: sources.")] = "train",
+    text_field: Annotated[str, typer.Option(help="Text column/key of the calibration source.")] = "text",
+    num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
+    seed: Annotated[int, typer.Option(help="Calibration seed.")] = 0,
+    chat_template: Annotated[ChatTemplate, typer.Option(help="Render conversations with the chat template.")] = ChatTemplate.auto,
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision for hub ids.")] = None,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept .bin/.pt weights (loaded weights_only).")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Run model code from the checkpoint.")] = False,
+    summary_json: SummaryOpt = None,
+) -> None:
+    """Quantize MODEL with round-to-nearest and export a compressed-tensors artifact."""
+    from optkit.recipe import recipe_from_dict
+
+    quant: dict = {
+        "scheme": scheme.value,
+        "group_size": _group_size(group_size),
+        "symmetric": not asym,
+        "lm_head": lm_head.value,
+        "embeddings": embeddings.value,
+        "allow_skip": allow_skip,
+    }
+    if include:
+        quant["include"] = include
+    if exclude:
+        quant["exclude"] = exclude
+    data = {
+        "model": {"source": model, "revision": revision, "allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code},
+        "calibration": {
+            "source": calib,
+            "split": calib_split,
+            "text_field": text_field,
+            "num_samples": num_samples,
+            "seq_len": seq_len,
+            "seed": seed,
+            "chat_template": chat_template.value,
+        },
+        "quantization": quant,
+        "export": {"out": str(out) if out else None, "dtype": dtype.value, "overwrite": overwrite},
+    }
+    _run(recipe_from_dict(data, "command line"), summary_json)
+
+
+@app.command()
+def run(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
+    out: Annotated[Optional[Path], typer.Option(help="Override export.out.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Override export.overwrite.")] = False,
+    summary_json: SummaryOpt = None,
+) -> None:
+    """Run the pipeline described by a recipe file."""
+    from optkit.recipe import load_recipe
+
+    r = load_recipe(recipe)
+    if out is not None or overwrite:
+        export = r.export.model_copy(update={k: v for k, v in {"out": str(out) if out else None, "overwrite": overwrite or None}.items() if v})
+        r = r.model_copy(update={"export": export})
+    _run(r, summary_json)
+
+
+@app.command()
+def validate(files: Annotated[list[Path], typer.Argument(help="Recipe files to check.")]) -> None:
+    """Check recipe files without running them (exit 2 if any is invalid)."""
+    from optkit.recipe import load_recipe
+
+    bad = 0
+    for f in files:
+        try:
+            load_recipe(f)
+            out_console.print(f"ok: {f}")
+        except RecipeError as err:
+            bad += 1
+            err_console.print(f"invalid: {err}", markup=False, highlight=False)
+    if bad:
+        raise typer.Exit(2)
+
+
+@app.command()
+def schema(out: Annotated[Optional[Path], typer.Option(help="Write to this file instead of stdout.")] = None) -> None:
+    """Print the recipe JSON schema (for editor completion)."""
+    from optkit.recipe import recipe_json_schema
+
+    if out is None:
+        sys.stdout.write(json.dumps(recipe_json_schema(), indent=2) + "\n")
+    else:
+        _write_json_atomic(out, recipe_json_schema())
+
+
+@app.command()
+def verify(artifact: Annotated[Path, typer.Argument(help="Artifact directory.")]) -> None:
+    """Re-hash every artifact file against its manifest (exit 1 if anything differs)."""
+    from optkit.export import verify_artifact
+
+    problems = verify_artifact(artifact)
+    if problems:
+        for p in problems:
+            err_console.print(f"FAIL {artifact}/{p}", markup=False, highlight=False)
+        raise typer.Exit(1)
+    out_console.print(f"ok: {artifact}: every file matches optkit.json")
+
+
+def main() -> None:
+    debug = "--debug" in sys.argv[1:]
+    try:
+        app()
+    except UserError as err:
+        if debug:
+            raise
+        err_console.print(f"error: {err}", markup=False, highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted: nothing was written at the output path")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
