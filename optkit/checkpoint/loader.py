@@ -10,6 +10,7 @@ Sources, decided by what is on disk (never by file-name suffix alone):
 
 from __future__ import annotations
 
+import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,12 @@ def load_hf_directory(d: Path, cfg: ModelConfig, source: dict | None = None, fin
             use_safetensors=bool(safetensors),
             weights_only=True,
         )
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{d}: pickle weights hold more than tensors and were refused by torch.load(weights_only=True): "
+            f"{str(err).splitlines()[0]}",
+            hint="only load pickles from authors you trust; ask for a safetensors export",
+        ) from None
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         raise CheckpointError(f"{d}: cannot load the model: {err}") from None
     model.eval()
