@@ -237,7 +237,7 @@ def validate(files: Annotated[list[Path], typer.Argument(help="Recipe files to c
             out_console.print(f"ok: {f}")
         except RecipeError as err:
             bad += 1
-            err_console.print(f"invalid: {err}", markup=False, highlight=False)
+            err_console.print(f"invalid: {err}", markup=False, highlight=False, soft_wrap=True)
     if bad:
         raise typer.Exit(2)
 
@@ -261,7 +261,7 @@ def verify(artifact: Annotated[Path, typer.Argument(help="Artifact directory.")]
     problems = verify_artifact(artifact)
     if problems:
         for p in problems:
-            err_console.print(f"FAIL {artifact}/{p}", markup=False, highlight=False)
+            err_console.print(f"FAIL {artifact}/{p}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     out_console.print(f"ok: {artifact}: every file matches optkit.json")
 
@@ -273,7 +273,7 @@ def main() -> None:
     except UserError as err:
         if debug:
             raise
-        err_console.print(f"error: {err}", markup=False, highlight=False)
+        err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted: nothing was written at the output path")

@@ -189,6 +189,7 @@ def write_artifact(
             "files": files,
         }
         (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
+        manifest_bytes = (tmp / MANIFEST).stat().st_size
         _move_into_place(tmp, out, overwrite)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -196,7 +197,7 @@ def write_artifact(
             raise ArtifactError(f"writing the artifact failed, nothing was written to {out}: {err}") from err
         raise
     weight_bytes = sum(files[n]["bytes"] for n in weight_files)
-    return ArtifactInfo(out, files, sum(f["bytes"] for f in files.values()), weight_bytes)
+    return ArtifactInfo(out, files, manifest_bytes + sum(f["bytes"] for f in files.values()), weight_bytes)
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
