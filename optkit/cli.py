@@ -95,7 +95,7 @@ def _print_summary(result) -> None:  # result: optkit.pipeline.QuantizeResult
     t = Table(title=f"optkit quantize: {result.model_name}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("scheme", f"{s['scheme']} ({result.plan and 'rtn'}), unquantized tensors and scales in {s['dtype']}")
+    t.add_row("scheme", f"{s['scheme']} ({s['algorithm']}), unquantized tensors and scales in {s['dtype']}")
     by_scheme: dict[str, int] = {}
     for sch in [*result.plan.linears.values(), *result.plan.embeddings.values()]:
         by_scheme[sch.label()] = by_scheme.get(sch.label(), 0) + 1
@@ -123,6 +123,8 @@ def _print_summary(result) -> None:  # result: optkit.pipeline.QuantizeResult
     )
     t.add_row("time", ", ".join(f"{k.split(' (')[0].lower()} {v:.1f}s" for k, v in s["timings_s"].items()) +
               f"; total {sum(s['timings_s'].values()):.1f}s")
+    for note in s["runtime_notes"]:
+        t.add_row("WARNING", note)
     t.add_row("artifact", f"{s['artifact']}  (check it with: optkit verify {s['artifact']})")
     out_console.print(t)
 

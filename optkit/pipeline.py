@@ -17,7 +17,7 @@ from optkit.checkpoint.default import DEFAULT_MODEL_NAME
 from optkit.errors import ArtifactError
 from optkit.export import ArtifactInfo, write_artifact
 from optkit.progress import Reporter
-from optkit.quantize.plan import LayerPlan, apply_plan, plan_layers
+from optkit.quantize.plan import LayerPlan, apply_plan, plan_layers, runtime_notes
 from optkit.quantize.scheme import QuantScheme
 from optkit.recipe import Recipe
 
@@ -32,6 +32,7 @@ class QuantizeResult:
     model_name: str
     source: dict
     scheme: QuantScheme
+    algorithm: str
     plan: LayerPlan
     dtype: str
     params_total: int
@@ -46,6 +47,8 @@ class QuantizeResult:
             "model": self.model_name,
             "source": self.source,
             "scheme": self.scheme.label(),
+            "algorithm": self.algorithm,
+            "runtime_notes": runtime_notes(self.plan),
             "dtype": self.dtype,
             "layers_quantized": len(self.plan.linears) + len(self.plan.embeddings),
             "layers_skipped": self.plan.skipped,
@@ -149,6 +152,7 @@ def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResu
         model_name=ck.name,
         source=ck.source,
         scheme=scheme,
+        algorithm=q.algorithm,
         plan=plan,
         dtype=str(dtype).removeprefix("torch."),
         params_total=params_total,

@@ -80,6 +80,9 @@ def convert_gguf_to_hf(gguf: Path, target: Path) -> None:
             if not (target / _MARKER).is_file():  # not a concurrent conversion that won the race
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{gguf}: converting the GGUF file to a Hugging Face checkpoint failed: {err}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

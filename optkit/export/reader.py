@@ -13,6 +13,7 @@ from optkit import ARTIFACT_FORMAT_VERSION
 from optkit.checkpoint.files import sha256_file
 from optkit.errors import ArtifactError
 from optkit.export.compressed import unpack_weight
+from optkit.quantize.plan import output_head_name
 from optkit.quantize.rtn import QuantizedWeight
 from optkit.quantize.scheme import QuantScheme
 
@@ -107,9 +108,8 @@ def load_dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-        head = model.get_output_embeddings()
-        missing = [k for k in missing if not (head is not None and k.startswith("lm_head."))]
-    missing = [k for k in missing if "rotary_emb" not in k]
+        head = output_head_name(model)
+        missing = [k for k in missing if k != f"{head}.weight"]
     if missing or unexpected:
         raise ArtifactError(f"{p}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model.eval()

@@ -34,7 +34,7 @@ from optkit.checkpoint.files import sha256_file
 from optkit.errors import ArtifactError
 from optkit.export.compressed import FORMAT, pack_weight, quantization_config
 from optkit.quantize.modules import QuantizedEmbedding, QuantizedLinear
-from optkit.quantize.plan import LayerPlan
+from optkit.quantize.plan import LayerPlan, output_head_name, runtime_notes
 from optkit.quantize.scheme import QuantScheme
 
 MANIFEST = "optkit.json"
@@ -74,6 +74,7 @@ def plan_manifest(plan: LayerPlan) -> dict:
         },
         "skipped": dict(sorted(plan.skipped.items())),
         "excluded": sorted(plan.excluded),
+        "runtime_notes": runtime_notes(plan),
     }
 
 
@@ -86,8 +87,7 @@ def build_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
         out.update(pack_weight(module.quantized_weight(), f"{name}."))
     q_keys = {f"{n}.{b}" for n in quantized for b in _Q_BUFFERS}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+    head_name = output_head_name(model)
     for k, v in sd.items():
         if k in q_keys or k in out:
             continue

@@ -42,6 +42,35 @@ class LayerPlan:
     untie: bool = False
 
 
+def module_name(model: nn.Module, module: nn.Module | None) -> str | None:
+    """The dotted name of ``module`` inside ``model`` (None if absent)."""
+    if module is None:
+        return None
+    return next((n for n, m in model.named_modules() if m is module), None)
+
+
+def output_head_name(model: nn.Module) -> str | None:
+    """Name of the output projection (``lm_head`` for most causal LMs)."""
+    return module_name(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
+
+
+def runtime_notes(plan: LayerPlan) -> list[str]:
+    """What standard runtimes cannot load from this plan's artifact (upstream gaps), so users
+    learn it at quantization time rather than at deployment."""
+    notes = []
+    if any(not s.symmetric for s in [*plan.linears.values(), *plan.embeddings.values()]):
+        notes.append(
+            "asymmetric pack-quantized weights: transformers cannot load their packed zero points yet "
+            "(upstream llm-compressor issue #1618); optkit reads them"
+        )
+    if plan.embeddings:
+        notes.append(
+            "int8 embeddings: transformers and vLLM do not load quantized embeddings from compressed-tensors; "
+            "optkit reads them"
+        )
+    return notes
+
+
 def matches(name: str, pattern: str) -> bool:
     """``re:REGEX`` (full match) or a shell glob (``*``, ``?``, ``[...]``)."""
     if pattern.startswith("re:"):
@@ -78,11 +107,10 @@ def plan_layers(
     allow_skip: bool = False,
     tied: bool = False,
 ) -> LayerPlan:
-    names = {id(m): n for n, m in model.named_modules()}
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head_name = names.get(id(out_emb)) if out_emb is not None else None
-    emb_name = names.get(id(in_emb)) if in_emb is not None else None
+    head_name = module_name(model, out_emb)
+    emb_name = module_name(model, in_emb)
 
     linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != head_name]
     if not linear_names:
