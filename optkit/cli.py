@@ -121,7 +121,7 @@ def _print_summary(result) -> None:  # result: optkit.pipeline.QuantizeResult
         f"{_mb(s['bytes_16bit'])} at 16-bit -> {_mb(s['weight_bytes'])} weights "
         f"({s['size_ratio']:.3f}x, {s['bits_per_weight']:.2f} bits/weight); artifact {_mb(s['artifact_bytes'])}",
     )
-    t.add_row("time", ", ".join(f"{k.split(' (')[0].lower()} {v:.1f}s" for k, v in s["timings_s"].items()) +
+    t.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in s["timings_s"].items()) +
               f"; total {sum(s['timings_s'].values()):.1f}s")
     for note in s["runtime_notes"]:
         t.add_row("WARNING", note)

@@ -99,10 +99,10 @@ def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResu
     if out.exists() and not recipe.export.overwrite:
         raise ArtifactError(f"output path {out} already exists", hint="choose another --out or pass --overwrite")
 
-    with reporter.stage("Loading checkpoint"):
+    with reporter.stage("load", "Loading checkpoint"):
         ck = load_checkpoint(recipe.model)
     model = ck.model
-    with reporter.stage("Building calibration tokens"):
+    with reporter.stage("calibration", "Building calibration tokens"):
         calib = build_calibration(recipe.calibration, ck.tokenizer)
 
     q = recipe.quantization
@@ -124,7 +124,7 @@ def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResu
     dtype = export_dtype(recipe.export.dtype, ck.dtype)
 
     n_layers = len(plan.linears) + len(plan.embeddings)
-    with reporter.stage(f"Quantizing {n_layers} layers ({scheme.label()}, {q.algorithm})", total=n_layers) as advance:
+    with reporter.stage("quantize", f"Quantizing {n_layers} layers ({scheme.label()}, {q.algorithm})", total=n_layers) as advance:
         with torch.no_grad():
             apply_plan(model, plan, dtype, on_layer=lambda _name: advance())
 
@@ -136,7 +136,7 @@ def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResu
         "algorithm": q.algorithm,
         "dtype": str(dtype).removeprefix("torch."),
     }
-    with reporter.stage("Writing artifact"):
+    with reporter.stage("export", "Writing artifact"):
         info = write_artifact(
             model,
             ck.tokenizer,

@@ -13,18 +13,19 @@ Advance = Callable[[], None]
 
 
 class Reporter:
-    """Times each stage; subclasses show it. ``stage()`` yields an ``advance()`` callable."""
+    """Times each stage under a stable ``key`` (``load``, ``quantize``...); subclasses show the
+    human ``label``. ``stage()`` yields an ``advance()`` callable."""
 
     def __init__(self) -> None:
         self.timings: dict[str, float] = {}
 
     @contextmanager
-    def stage(self, name: str, total: int | None = None) -> Iterator[Advance]:
+    def stage(self, key: str, label: str, total: int | None = None) -> Iterator[Advance]:
         t0 = time.perf_counter()
         try:
             yield lambda: None
         finally:
-            self.timings[name] = time.perf_counter() - t0
+            self.timings[key] = time.perf_counter() - t0
 
 
 class RichReporter(Reporter):
@@ -35,17 +36,17 @@ class RichReporter(Reporter):
         self.console = console
 
     @contextmanager
-    def stage(self, name: str, total: int | None = None) -> Iterator[Advance]:
+    def stage(self, key: str, label: str, total: int | None = None) -> Iterator[Advance]:
         columns = [SpinnerColumn(), TextColumn("{task.description}")]
         if total is not None:
             columns += [BarColumn(), MofNCompleteColumn()]
         columns.append(TimeElapsedColumn())
         t0 = time.perf_counter()
         with Progress(*columns, console=self.console, transient=False) as progress:
-            task = progress.add_task(name, total=total)
+            task = progress.add_task(label, total=total)
             try:
                 yield lambda: progress.advance(task)
                 if total is None:
                     progress.update(task, total=1, completed=1)
             finally:
-                self.timings[name] = time.perf_counter() - t0
+                self.timings[key] = time.perf_counter() - t0
