@@ -221,9 +221,13 @@ def run(
     from optkit.recipe import load_recipe
 
     r = load_recipe(recipe)
-    if out is not None or overwrite:
-        export = r.export.model_copy(update={k: v for k, v in {"out": str(out) if out else None, "overwrite": overwrite or None}.items() if v})
-        r = r.model_copy(update={"export": export})
+    updates: dict = {}
+    if out is not None:
+        updates["out"] = str(out)
+    if overwrite:
+        updates["overwrite"] = True
+    if updates:
+        r = r.model_copy(update={"export": r.export.model_copy(update=updates)})
     _run(r, summary_json)
 
 

@@ -33,7 +33,9 @@ def test_quantize_end_to_end_then_verify(quant_args, tmp_path):
     # out exists now: refused with exit 2, then replaced with --overwrite
     again = optkit("quantize", *quant_args, "--group-size", "32", "--out", str(out))
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
-    assert optkit("quantize", *quant_args, "--group-size", "32", "--out", str(out), "--overwrite").returncode == 0
+    asym = optkit("quantize", *quant_args, "--group-size", "32", "--asym", "--out", str(out), "--overwrite")
+    assert asym.returncode == 0 and "int4-g32-asym" in asym.stdout
+    assert "WARNING" in asym.stdout and "#1618" in asym.stdout  # told at quantization time, not at deployment
 
 
 def test_user_errors_exit_2_without_traceback_unless_debug(tmp_path):

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from optkit.checkpoint import load_checkpoint
+from optkit.checkpoint.default import find_default_gguf
 from optkit.errors import QuantizationError
 from optkit.export import load_dequantized_model, verify_artifact
 from optkit.pipeline import run_recipe
-from optkit.recipe import load_recipe
+from optkit.recipe import ModelConfig, load_recipe
 
 pytestmark = pytest.mark.real_model
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -70,9 +73,6 @@ def test_recipe_artifact_loads_in_plain_transformers(real_env, tmp_path, recipe)
     assert "Paris" in res.stdout, res.stdout  # greedy text is sensible, not noise
     hf = torch.load(tmp_path / "logits.pt", weights_only=True)
     ours = load_dequantized_model(out)
-    ids = ours.config  # noqa: F841
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(str(out))
     with torch.no_grad():
         mine = ours(**tok(PROMPT, return_tensors="pt")).logits
@@ -87,3 +87,13 @@ def test_group_128_does_not_fit_smollm2(real_env, tmp_path):
         run_recipe(r)
     assert "model.layers.0.self_attn.q_proj (in_features 576; group sizes that fit: 32, 64, 'channel')" in str(exc.value)
     assert not (tmp_path / "o").exists()
+
+
+def test_gguf_file_loads_directly_with_its_fingerprint(real_env):
+    gguf = find_default_gguf()
+    ck = load_checkpoint(ModelConfig(source=str(gguf)))
+    assert ck.source["kind"] == "gguf" and ck.source["architecture"] == "llama"
+    default = load_checkpoint(ModelConfig())
+    assert ck.fingerprint == default.fingerprint  # both are the sha256 of the same GGUF file
+    assert getattr(ck.model.config, "quantization_config", None) is None
+    torch.testing.assert_close(ck.model.model.layers[0].mlp.up_proj.weight, default.model.model.layers[0].mlp.up_proj.weight)

@@ -153,6 +153,11 @@ def plan_layers(
         if emb_name is None or not isinstance(in_emb, nn.Embedding):
             raise QuantizationError("quantization.embeddings is int8 but the model has no nn.Embedding input layer")
         emb_plan[emb_name] = INT8_PER_ROW
+    if not linears and not emb_plan:
+        raise QuantizationError(
+            "nothing to quantize: the include/exclude patterns leave every layer in 16-bit",
+            hint=f"{len(excluded)} Linear layers were excluded; check quantization.include and quantization.exclude",
+        )
     # A tied head shares the embedding's tensor: quantizing either one gives them different weights.
     untie = tied and (lm_head == "int8" or embeddings == "int8")
     return LayerPlan(linears, emb_plan, skipped, tuple(excluded), untie)

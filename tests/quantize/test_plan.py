@@ -3,7 +3,7 @@ import torch
 
 from optkit.errors import QuantizationError
 from optkit.quantize.modules import QuantizedEmbedding, QuantizedLinear
-from optkit.quantize.plan import INT8_PER_ROW, apply_plan, matches, plan_layers
+from optkit.quantize.plan import INT8_PER_ROW, apply_plan, matches, plan_layers, runtime_notes
 from optkit.quantize.scheme import QuantScheme
 from optkit.testing.tiny import tiny_llama
 
@@ -38,6 +38,18 @@ def test_pattern_matching_nothing_is_an_error():
         _plan(tiny_llama(64), exclude=["nothing.*"])
     with pytest.raises(QuantizationError, match="invalid regular expression"):
         _plan(tiny_llama(64), include=["re:(("])
+
+
+def test_excluding_everything_is_an_error():
+    with pytest.raises(QuantizationError, match="nothing to quantize"):
+        _plan(tiny_llama(64), exclude=["*"])
+
+
+def test_runtime_notes_flag_what_standard_runtimes_cannot_load():
+    model = tiny_llama(64)
+    assert runtime_notes(_plan(model)) == []
+    assert "llm-compressor issue #1618" in runtime_notes(_plan(model, scheme=QuantScheme(4, 32, False)))[0]
+    assert "int8 embeddings" in runtime_notes(_plan(model, embeddings="int8"))[0]
 
 
 def test_group_misfit_names_layer_and_fitting_sizes():
