@@ -23,22 +23,21 @@ from optkit.export import write_artifact
 from optkit.quantize.modules import QuantizedLinear
 from optkit.quantize.plan import apply_plan, plan_layers
 from optkit.quantize.primitives import sqnr_db
-from optkit.quantize.scheme import QuantScheme
-from optkit.recipe import ModelConfig
+from optkit.recipe import ModelConfig, QuantizationConfig
 
 SCHEMES = {
-    "w8a16": QuantScheme(8, None, True),
-    "w4a16-g64": QuantScheme(4, 64, True),
-    "w4a16-g32": QuantScheme(4, 32, True),
-    "w4a16-g64-asym": QuantScheme(4, 64, False),
+    "w8a16": QuantizationConfig(scheme="w8a16"),
+    "w4a16-g64": QuantizationConfig(scheme="w4a16", group_size=64),
+    "w4a16-g32": QuantizationConfig(scheme="w4a16", group_size=32),
+    "w4a16-g64-asym": QuantizationConfig(scheme="w4a16", group_size=64, symmetric=False),
 }
 
 
-def one_run(scheme: QuantScheme, out: Path) -> dict:
+def one_run(cfg: QuantizationConfig, out: Path) -> dict:
     ck = load_checkpoint(ModelConfig())
     model = ck.model
     floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    plan = plan_layers(model, scheme, include=["*"], exclude=[], tied=True)
+    plan = plan_layers(model, cfg, tied=True)
     t0 = time.perf_counter()
     with torch.no_grad():
         apply_plan(model, plan, torch.bfloat16)

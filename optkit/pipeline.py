@@ -107,21 +107,13 @@ def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResu
 
     q = recipe.quantization
     scheme = q.weight_scheme()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    plan = plan_layers(
-        model,
-        scheme,
-        include=list(q.include),
-        exclude=list(q.exclude),
-        lm_head=q.lm_head,
-        embeddings=q.embeddings,
-        allow_skip=q.allow_skip,
-        tied=tied,
-    )
+    plan = plan_layers(model, q, tied=bool(getattr(model.config, "tie_word_embeddings", False)))
     params_total = sum(p.numel() for p in model.parameters())  # parameters() counts a tied tensor once
     modules = dict(model.named_modules())
     params_quantized = sum(modules[n].weight.numel() for n in [*plan.linears, *plan.embeddings])
     dtype = export_dtype(recipe.export.dtype, ck.dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    calibration = {"fingerprint": calib.fingerprint, **calib.info}
 
     n_layers = len(plan.linears) + len(plan.embeddings)
     with reporter.stage("quantize", f"Quantizing {n_layers} layers ({scheme.label()}, {q.algorithm})", total=n_layers) as advance:
@@ -132,9 +124,9 @@ def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResu
         "recipe": recipe.model_dump(mode="json"),
         "source": ck.source,
         "source_fingerprint": ck.fingerprint,
-        "calibration": {"fingerprint": calib.fingerprint, **calib.info},
+        "calibration": calibration,
         "algorithm": q.algorithm,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name,
     }
     with reporter.stage("export", "Writing artifact"):
         info = write_artifact(
@@ -154,10 +146,10 @@ def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResu
         scheme=scheme,
         algorithm=q.algorithm,
         plan=plan,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=dtype_name,
         params_total=params_total,
         params_quantized=params_quantized,
         bytes_16bit=2 * params_total,
-        calibration={"fingerprint": calib.fingerprint, **calib.info},
+        calibration=calibration,
         timings=dict(reporter.timings),
     )

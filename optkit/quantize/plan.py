@@ -10,6 +10,7 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from torch import nn
 from optkit.errors import QuantizationError
 from optkit.quantize.modules import QuantizedEmbedding, QuantizedLinear
 from optkit.quantize.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
+
+if TYPE_CHECKING:
+    from optkit.recipe import QuantizationConfig
 
 #: lm_head / embeddings at int8 use one scale per output row.
 INT8_PER_ROW = QuantScheme(bits=8, group_size=None, symmetric=True)
@@ -96,17 +100,13 @@ def _fitting_group_sizes(in_features: int) -> list[str]:
     return [str(g) for g in SUPPORTED_GROUP_SIZES if in_features % g == 0] + ["'channel'"]
 
 
-def plan_layers(
-    model: nn.Module,
-    scheme: QuantScheme,
-    *,
-    include: list[str],
-    exclude: list[str],
-    lm_head: str = "16bit",
-    embeddings: str = "16bit",
-    allow_skip: bool = False,
-    tied: bool = False,
-) -> LayerPlan:
+def plan_layers(model: nn.Module, cfg: QuantizationConfig, tied: bool) -> LayerPlan:
+    """Decide every layer's fate from the recipe's ``quantization`` section.
+
+    ``tied``: the output projection shares the input embedding's tensor.
+    """
+    scheme = cfg.weight_scheme()
+    include, exclude = list(cfg.include), list(cfg.exclude)
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head_name = module_name(model, out_emb)
@@ -130,7 +130,7 @@ def plan_layers(
         in_f = modules[n].in_features
         if scheme.fits(in_f):
             linears[n] = scheme
-        elif allow_skip:
+        elif cfg.allow_skip:
             skipped[n] = f"in_features {in_f} is not divisible by group_size {scheme.group_size}"
         else:
             misfits.append(f"{n} (in_features {in_f}; group sizes that fit: {', '.join(_fitting_group_sizes(in_f))})")
@@ -143,13 +143,13 @@ def plan_layers(
         )
 
     emb_plan: dict[str, QuantScheme] = {}
-    if lm_head == "int8":
+    if cfg.lm_head == "int8":
         if head_name is None or not isinstance(out_emb, nn.Linear):
             raise QuantizationError("quantization.lm_head is int8 but the model has no Linear output projection")
         linears[head_name] = INT8_PER_ROW
     elif head_name is not None:
         excluded.append(head_name)
-    if embeddings == "int8":
+    if cfg.embeddings == "int8":
         if emb_name is None or not isinstance(in_emb, nn.Embedding):
             raise QuantizationError("quantization.embeddings is int8 but the model has no nn.Embedding input layer")
         emb_plan[emb_name] = INT8_PER_ROW
@@ -159,7 +159,7 @@ def plan_layers(
             hint=f"{len(excluded)} Linear layers were excluded; check quantization.include and quantization.exclude",
         )
     # A tied head shares the embedding's tensor: quantizing either one gives them different weights.
-    untie = tied and (lm_head == "int8" or embeddings == "int8")
+    untie = tied and (cfg.lm_head == "int8" or cfg.embeddings == "int8")
     return LayerPlan(linears, emb_plan, skipped, tuple(excluded), untie)
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from optkit.checkpoint import load_checkpoint
 from optkit.checkpoint import default as default_mod
+from optkit.checkpoint import load_checkpoint
 from optkit.errors import CheckpointError
 from optkit.recipe import ModelConfig
 

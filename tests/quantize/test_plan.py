@@ -5,14 +5,21 @@ from optkit.errors import QuantizationError
 from optkit.quantize.modules import QuantizedEmbedding, QuantizedLinear
 from optkit.quantize.plan import INT8_PER_ROW, apply_plan, matches, plan_layers, runtime_notes
 from optkit.quantize.scheme import QuantScheme
+from optkit.recipe import QuantizationConfig
 from optkit.testing.tiny import tiny_llama
 
 W4G32 = QuantScheme(4, 32, True)
 
 
 def _plan(model, scheme=W4G32, **kw):
-    args = {"include": ["*"], "exclude": [], "tied": model.config.tie_word_embeddings, **kw}
-    return plan_layers(model, scheme, **args)
+    cfg = QuantizationConfig(
+        scheme="w4a16" if scheme.bits == 4 else "w8a16",
+        group_size=scheme.group_size or "channel",
+        symmetric=scheme.symmetric,
+        **kw,
+    )
+    assert cfg.weight_scheme() == scheme
+    return plan_layers(model, cfg, tied=model.config.tie_word_embeddings)
 
 
 def test_default_plan_quantizes_every_linear_but_lm_head():
