@@ -55,6 +55,15 @@ def find_default_gguf() -> Path:
     )
 
 
+def drop_gguf_marker(model) -> None:
+    """After transformers dequantizes a GGUF file the weights are plain float tensors, but the
+    config still says ``quant_method: gguf``; remove that so the model saves and re-loads as
+    an ordinary checkpoint."""
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+
+
 def convert_gguf_to_hf(gguf: Path, target: Path) -> None:
     """Dequantize a GGUF file into a float32 Hugging Face directory at ``target`` (atomically)."""
     import torch
@@ -65,10 +74,7 @@ def convert_gguf_to_hf(gguf: Path, target: Path) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are now plain float tensors: drop the GGUF loader's quantization marker.
-        model.config.quantization_config = None
-        del model.config.quantization_config
-        model.hf_quantizer = None
+        drop_gguf_marker(model)
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / _MARKER).write_text(

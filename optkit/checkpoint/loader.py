@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from optkit.checkpoint.default import DEFAULT_MODEL_NAME, ensure_default_checkpoint
+from optkit.checkpoint.default import DEFAULT_MODEL_NAME, drop_gguf_marker, ensure_default_checkpoint
 from optkit.checkpoint.files import check_safetensors, fingerprint_files, is_gguf, sha256_file
 from optkit.errors import CheckpointError
 from optkit.recipe import ModelConfig
@@ -154,9 +154,7 @@ def load_gguf(path: Path, cfg: ModelConfig) -> LoadedCheckpoint:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         raise CheckpointError(f"{path}: cannot dequantize the GGUF model: {err}") from None
-    model.config.quantization_config = None
-    del model.config.quantization_config
-    model.hf_quantizer = None
+    drop_gguf_marker(model)
     model.eval()
     tokenizer = _load_tokenizer(str(path.parent), False, gguf_file=path.name)
     return LoadedCheckpoint(

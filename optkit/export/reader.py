@@ -51,7 +51,9 @@ def verify_artifact(path: str | Path) -> list[str]:
     listed = manifest.get("files", {})
     for name, info in sorted(listed.items()):
         f = p / name
-        if not f.is_file():
+        if Path(name).name != name or name in (".", ".."):
+            problems.append(f"{name}: not a plain file name inside the artifact (manifest tampered)")
+        elif not f.is_file():
             problems.append(f"{name}: missing")
         elif f.stat().st_size != info["bytes"]:
             problems.append(f"{name}: size {f.stat().st_size} bytes, manifest says {info['bytes']}")

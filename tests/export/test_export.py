@@ -189,6 +189,10 @@ def test_verify_names_tampered_missing_and_extra_files(tiny_ckpt, small_calib, t
     assert "model.safetensors: sha256 differs from the manifest (file was modified)" in problems
     assert "tokenizer_config.json: missing" in problems
     assert "extra.bin: not listed in the manifest" in problems
+    m = json.loads((out / "optkit.json").read_text())
+    m["files"]["../outside.txt"] = {"sha256": "0" * 64, "bytes": 1}
+    (out / "optkit.json").write_text(json.dumps(m))
+    assert "../outside.txt: not a plain file name inside the artifact (manifest tampered)" in verify_artifact(out)
 
 
 def test_reader_rejects_newer_format_and_non_artifacts(tiny_ckpt, small_calib, tmp_path):
