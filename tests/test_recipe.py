@@ -63,3 +63,8 @@ def test_shipped_recipes_validate_and_match_the_published_schema():
         jsonschema.validate(yaml.safe_load(p.read_text()), schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"quantization": {"bogus": 1}}, schema)
+
+
+def test_committed_schema_is_current():
+    committed = json.loads((Path(__file__).resolve().parents[1] / "recipe.schema.json").read_text())
+    assert committed == recipe_json_schema(), "run: optkit schema --out recipe.schema.json"
