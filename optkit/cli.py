@@ -254,7 +254,7 @@ def schema(out: Annotated[Optional[Path], typer.Option(help="Write to this file 
     from optkit.recipe import recipe_json_schema
 
     if out is None:
-        sys.stdout.write(json.dumps(recipe_json_schema(), indent=2) + "\n")
+        sys.stdout.write(json.dumps(recipe_json_schema(), indent=2, sort_keys=True) + "\n")
     else:
         _write_json_atomic(out, recipe_json_schema())
 
