@@ -41,12 +41,9 @@ class RichReporter(Reporter):
         if total is not None:
             columns += [BarColumn(), MofNCompleteColumn()]
         columns.append(TimeElapsedColumn())
-        t0 = time.perf_counter()
-        with Progress(*columns, console=self.console, transient=False) as progress:
+        # The base class times the stage; this one only draws it.
+        with super().stage(key, label, total), Progress(*columns, console=self.console, transient=False) as progress:
             task = progress.add_task(label, total=total)
-            try:
-                yield lambda: progress.advance(task)
-                if total is None:
-                    progress.update(task, total=1, completed=1)
-            finally:
-                self.timings[key] = time.perf_counter() - t0
+            yield lambda: progress.advance(task)
+            if total is None:
+                progress.update(task, total=1, completed=1)
