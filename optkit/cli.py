@@ -35,6 +35,18 @@ err_console = Console(stderr=True)
 class Scheme(str, Enum):
     w8a16 = "w8a16"
     w4a16 = "w4a16"
+    w8a8 = "w8a8"
+
+
+class AlgorithmName(str, Enum):
+    rtn = "rtn"
+    gptq = "gptq"
+    awq = "awq"
+
+
+class ObserverName(str, Enum):
+    minmax = "minmax"
+    mse = "mse"
 
 
 class Precision(str, Enum):
@@ -76,6 +88,13 @@ def _group_size(value: str | None) -> int | str | None:
         return int(value)
     except ValueError:
         raise RecipeError(f"--group-size: {value!r} is not a number or 'channel'") from None
+
+
+def _layer_precision(value: str) -> dict:
+    pattern, sep, precision = value.rpartition("=")
+    if not sep or not pattern:
+        raise RecipeError(f"--layer: {value!r} is not PATTERN=PRECISION (for example 'model.layers.0.*=8bit')")
+    return {"match": pattern, "precision": precision}
 
 
 def _quiet_libraries() -> None:
@@ -123,6 +142,21 @@ def _print_summary(result) -> None:  # result: optkit.pipeline.QuantizeResult
     )
     t.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in s["timings_s"].items()) +
               f"; total {sum(s['timings_s'].values()):.1f}s")
+    if s.get("output_error"):
+        oe = s["output_error"]
+        t.add_row(
+            "output error",
+            f"mean relative output error of {oe['layers']} calibrated layers {oe['mean']:.2e} "
+            f"(round-to-nearest on the same inputs: {oe['mean_rtn']:.2e})",
+        )
+    if s.get("most_sensitive"):
+        top = s["most_sensitive"][:5]
+        t.add_row("most sensitive", "\n".join(f"{r['layer']}: KL " + ", ".join(f"{k} {v:.2e}" for k, v in r["kl"].items()) for r in top))
+    for note in s.get("notices", []):
+        t.add_row("note", note)
+    t.add_row("peak memory", f"{s['peak_rss_mb']:,.0f} MB resident (whole process)")
+    for w in s.get("warnings", []):
+        t.add_row("WARNING", w)
     for note in s["runtime_notes"]:
         t.add_row("WARNING", note)
     t.add_row("artifact", f"{s['artifact']}  (check it with: optkit verify {s['artifact']})")
@@ -153,7 +187,27 @@ SummaryOpt = Annotated[Optional[Path], typer.Option("--summary-json", help="Also
 @app.command()
 def quantize(
     model: Annotated[str, typer.Argument(help="'default', a HF model directory, a .gguf file, or a hub id.")] = "default",
-    scheme: Annotated[Scheme, typer.Option(help="Weight bits: w8a16 (int8) or w4a16 (int4).")] = Scheme.w4a16,
+    scheme: Annotated[
+        Scheme, typer.Option(help="w8a16 / w4a16 (weight-only int8 / int4) or w8a8 (int8 weights and per-token int8 activations).")
+    ] = Scheme.w4a16,
+    algorithm: Annotated[
+        AlgorithmName, typer.Option(help="rtn (round-to-nearest), gptq (Hessian error compensation) or awq (activation-aware scaling).")
+    ] = AlgorithmName.rtn,
+    observer: Annotated[ObserverName, typer.Option(help="Scale choice: minmax, or mse (clipping search).")] = ObserverName.minmax,
+    importance: Annotated[bool, typer.Option("--importance", help="Weight the mse search by activation energy.")] = False,
+    act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: activation order, static groups.")] = False,
+    damp: Annotated[float, typer.Option(help="GPTQ dampening (fraction of the mean Hessian diagonal).")] = 0.01,
+    smoothquant: Annotated[
+        Optional[float], typer.Option(help="SmoothQuant migration strength alpha in [0, 1] (w8a8 only).")
+    ] = None,
+    bits_per_weight: Annotated[
+        Optional[float], typer.Option(help="Mixed precision: average bits per weight budget over the quantized Linears.")
+    ] = None,
+    max_kl: Annotated[Optional[float], typer.Option(help="Mixed precision: largest predicted KL divergence.")] = None,
+    layer: Annotated[
+        Optional[list[str]], typer.Option(help="PATTERN=4bit|8bit|16bit: precision per Linear name pattern (repeatable).")
+    ] = None,
+    resume: Annotated[bool, typer.Option(help="Resume an interrupted layer-by-layer run from its last finished block.")] = True,
     group_size: Annotated[
         Optional[str], typer.Option(help="32, 64, 128, 256 or 'channel'. Default: channel (w8a16), 128 (w4a16).")
     ] = None,
@@ -166,7 +220,7 @@ def quantize(
     embeddings: Annotated[Precision, typer.Option(help="Input embedding precision.")] = Precision.b16,
     allow_skip: Annotated[bool, typer.Option("--allow-skip", help="Keep layers that do not fit the group size in 16-bit.")] = False,
     dtype: Annotated[DType, typer.Option(help="dtype of unquantized tensors and scales.")] = DType.auto,
-    calib: Annotated[str, typer.Option(help="'builtin', a .txt/.jsonl/.parquet file, or hf:DATASET.")] = "builtin",
+    calib: Annotated[str, typer.Option(help="'builtin', a .txt/.raw/.tokens/.jsonl/.parquet file, or hf:DATASET.")] = "builtin",
     calib_split: Annotated[str, typer.Option(help="Dataset split for hf: sources.")] = "train",
     text_field: Annotated[str, typer.Option(help="Text column/key of the calibration source.")] = "text",
     num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = 128,
@@ -178,17 +232,29 @@ def quantize(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Run model code from the checkpoint.")] = False,
     summary_json: SummaryOpt = None,
 ) -> None:
-    """Quantize MODEL with round-to-nearest and export a compressed-tensors artifact."""
+    """Quantize MODEL (round-to-nearest, GPTQ, AWQ, SmoothQuant W8A8, mixed precision) and export a
+    compressed-tensors artifact."""
     from optkit.recipe import recipe_from_dict
 
     quant: dict = {
         "scheme": scheme.value,
         "group_size": _group_size(group_size),
         "symmetric": not asym,
+        "algorithm": algorithm.value,
+        "observer": observer.value,
+        "importance": importance,
+        "gptq": {"act_order": act_order, "damp": damp},
+        "resume": resume,
         "lm_head": lm_head.value,
         "embeddings": embeddings.value,
         "allow_skip": allow_skip,
     }
+    if smoothquant is not None:
+        quant["smoothquant"] = {"alpha": smoothquant}
+    if bits_per_weight is not None or max_kl is not None:
+        quant["mixed_precision"] = {"bits_per_weight": bits_per_weight, "max_kl": max_kl}
+    if layer:
+        quant["layers"] = [_layer_precision(x) for x in layer]
     if include:
         quant["include"] = include
     if exclude:

@@ -53,7 +53,7 @@ class CalibrationConfig(_Strict):
     source: str = Field(
         "builtin",
         description=(
-            "'builtin' (the project's varied set under calibration/builtin), a local .txt, .jsonl "
+            "'builtin' (the project's varied set under calibration/builtin), a local .txt/.raw/.tokens, .jsonl "
             "or .parquet file, or 'hf:NAME' for a dataset loaded with datasets.load_dataset(NAME)."
         ),
     )
@@ -65,6 +65,24 @@ class CalibrationConfig(_Strict):
     num_samples: int = Field(128, ge=1, le=65536, description="Number of calibration windows.")
     seq_len: int = Field(512, ge=8, le=131072, description="Tokens per calibration window.")
     seed: int = Field(0, ge=0, description="Seed for document order and window choice.")
+    batch_size: int = Field(
+        8, ge=1, le=4096, description="Calibration windows run through a block at once (memory vs speed)."
+    )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description=(
+            "dtype of the block forwards during layer-by-layer calibration and sensitivity analysis. "
+            "Weights, Hessians and the algorithms stay float32. 'auto': bfloat16 where the hardware has "
+            "fast bfloat16 matmuls (CUDA, or CPUs with AVX512-BF16/AMX), else float32."
+        ),
+    )
+    offload: bool = Field(
+        False,
+        description=(
+            "Keep the block inputs of the layer-by-layer calibration on disk instead of in memory "
+            "(for models whose activations do not fit in RAM)."
+        ),
+    )
     chat_template: Literal["auto", "on", "off"] = Field(
         "auto",
         description=(
@@ -74,21 +92,167 @@ class CalibrationConfig(_Strict):
     )
 
 
+class GPTQConfig(_Strict):
+    """GPTQ (Frantar et al., 2022): quantize columns in order, pushing each one's rounding error
+    onto the columns not yet quantized through the inverse Hessian of the layer's inputs."""
+
+    damp: float = Field(
+        0.01, gt=0, le=1, description="Dampening added to the Hessian diagonal, as a fraction of its mean."
+    )
+    block_size: int = Field(128, ge=1, le=8192, description="Columns per lazy batch update.")
+    act_order: bool = Field(
+        False,
+        description=(
+            "Quantize columns in order of decreasing activation energy. Groups stay static (scales "
+            "computed in the original column order), so the packed format and runtimes are unchanged."
+        ),
+    )
+    true_sequential: bool = Field(
+        True,
+        description=(
+            "Inside a block, quantize the linears in execution order, each calibrated on inputs that "
+            "already went through the quantized linears before it."
+        ),
+    )
+    refine_scales: bool = Field(
+        True,
+        description="After GPTQ, refit each group's scale by least squares on the calibration output error (codes fixed).",
+    )
+    error_correction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Asymmetric calibration (GPTAQ / QEP): fit each layer to the float model's output on the float "
+            "model's inputs, not to its own float weights on the quantized model's inputs: W* = W + a W dX^T X' H'^-1. "
+            "0 is plain GPTQ; 1 corrects the upstream error fully. Costs a second (float) stream of activations."
+        ),
+    )
+
+
+class AWQConfig(_Strict):
+    """AWQ (Lin et al., 2023): per-input-channel scales searched on a grid, folded into the
+    preceding norm or linear so the float model is unchanged, plus a weight clipping search."""
+
+    grid: int = Field(20, ge=2, le=200, description="Number of exponents alpha tried in s = mean|x|^alpha.")
+    clip: bool = Field(True, description="Search a clipping ratio per group after scaling.")
+    clip_grid: int = Field(20, ge=2, le=200, description="Clipping ratios tried between 1 and 1 - max_shrink.")
+    max_shrink: float = Field(0.5, gt=0, lt=1, description="Largest fraction of the range clipping may cut.")
+
+
+class SmoothQuantConfig(_Strict):
+    """SmoothQuant (Xiao et al., 2022): divide activation channels by s and multiply the weights by s,
+    s_j = max|X_j|^alpha / max|W_j|^(1-alpha), so int8 activations lose less to outliers."""
+
+    alpha: float = Field(0.8, ge=0, le=1, description="Migration strength: 0 keeps activations, 1 moves all into weights.")
+
+
+class LayerPrecision(_Strict):
+    """A precision for every Linear whose name matches a pattern (first match wins)."""
+
+    match: str = Field(description="Glob or 're:REGEX' of Linear module names.")
+    precision: Literal["4bit", "8bit", "16bit"] = Field(
+        description="'4bit' (the recipe's int4 group scheme), '8bit' (int8 per channel) or '16bit' (not quantized)."
+    )
+
+
+class MixedPrecisionConfig(_Strict):
+    """Choose 4/8/16-bit per Linear from measured sensitivity to meet a budget."""
+
+    bits_per_weight: float | None = Field(
+        None,
+        gt=0,
+        le=16,
+        description="Largest average bits per weight over the quantized Linear layers, scales and zero points included.",
+    )
+    max_kl: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Largest predicted KL divergence (sum of the chosen layers' measured contributions); "
+            "the smallest plan that meets it wins."
+        ),
+    )
+    candidates: list[Literal["4bit", "8bit", "16bit"]] = Field(
+        default_factory=lambda: ["4bit", "8bit", "16bit"], description="Precisions the plan may choose from."
+    )
+    num_samples: int = Field(4, ge=1, le=1024, description="Calibration windows used to measure sensitivity.")
+    seq_len: int = Field(256, ge=8, le=131072, description="Tokens per sensitivity window (a prefix of each window).")
+    measure: Literal["lowest", "all"] = Field(
+        "lowest",
+        description=(
+            "'lowest': run each layer's lowest-bit option through the model and scale its KL by weight-error "
+            "energy for the higher-bit options; 'all': run every option (twice the time with two options)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> MixedPrecisionConfig:
+        if self.bits_per_weight is None and self.max_kl is None:
+            raise ValueError("set bits_per_weight, max_kl, or both")
+        if len(set(self.candidates)) < 2:
+            raise ValueError("candidates needs at least two different precisions")
+        return self
+
+
 class QuantizationConfig(_Strict):
     """What to quantize and how."""
 
-    scheme: Literal["w8a16", "w4a16"] = Field(
-        "w4a16", description="Weight bits / activation bits. Activations stay in 16-bit for both."
+    scheme: Literal["w8a16", "w4a16", "w8a8"] = Field(
+        "w4a16",
+        description=(
+            "Weight bits / activation bits: w8a16 and w4a16 are weight-only (activations stay 16-bit); "
+            "w8a8 also quantizes every quantized Linear's input to int8, dynamically per token."
+        ),
     )
     group_size: int | Literal["channel"] | None = Field(
         None,
         description=(
             f"Weights per scale along the input dimension: one of {list(SUPPORTED_GROUP_SIZES)}, or "
-            "'channel' for one scale per output channel. Default: 'channel' for w8a16, 128 for w4a16."
+            "'channel' for one scale per output channel. Default: 'channel' for w8a16 and w8a8, 128 for w4a16."
         ),
     )
     symmetric: bool = Field(True, description="Symmetric (no zero point) or asymmetric (integer zero point).")
-    algorithm: Literal["rtn"] = Field("rtn", description="How scales and rounding are chosen: round-to-nearest.")
+    algorithm: Literal["rtn", "gptq", "awq"] = Field(
+        "rtn",
+        description=(
+            "How scales and rounding are chosen: 'rtn' round-to-nearest, 'gptq' error-compensating rounding "
+            "with the inputs' Hessian, 'awq' activation-aware scaling and clipping, then round-to-nearest."
+        ),
+    )
+    observer: Literal["minmax", "mse"] = Field(
+        "minmax",
+        description=(
+            "How each group's scale (and zero point) is chosen: 'minmax' covers the full range, 'mse' searches "
+            "a clipping ratio that minimizes the rounding error (weighted by activation energy when "
+            "'importance' is on)."
+        ),
+    )
+    importance: bool = Field(
+        False,
+        description=(
+            "Weight the 'mse' observer's error by each input channel's activation energy (mean x^2 over the "
+            "calibration tokens, llama.cpp's importance matrix). Needs a calibration pass."
+        ),
+    )
+    gptq: GPTQConfig = Field(default_factory=GPTQConfig, description="GPTQ settings (algorithm: gptq).")
+    awq: AWQConfig = Field(default_factory=AWQConfig, description="AWQ settings (algorithm: awq).")
+    smoothquant: SmoothQuantConfig | None = Field(
+        None, description="Apply SmoothQuant before quantizing (scheme w8a8 only)."
+    )
+    layers: list[LayerPrecision] = Field(
+        default_factory=list, description="Precision per Linear name pattern, overriding the scheme (first match wins)."
+    )
+    mixed_precision: MixedPrecisionConfig | None = Field(
+        None, description="Choose each Linear's precision from measured sensitivity to meet a budget."
+    )
+    resume: bool = Field(
+        True,
+        description=(
+            "Checkpoint the layer-by-layer calibration after each block and resume an interrupted run from "
+            "the last finished block (after checking model, recipe and calibration fingerprints)."
+        ),
+    )
     include: list[str] = Field(
         default_factory=lambda: ["*"],
         description="Glob patterns (or 're:REGEX') of Linear module names to quantize.",
@@ -111,21 +275,58 @@ class QuantizationConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _check_group_size(self) -> QuantizationConfig:
+    def _check(self) -> QuantizationConfig:
         gs = self.group_size
         if isinstance(gs, int) and gs not in SUPPORTED_GROUP_SIZES:
             raise ValueError(
                 f"group_size {gs} is not supported; allowed: {', '.join(map(str, SUPPORTED_GROUP_SIZES))} or 'channel'"
             )
+        if self.scheme == "w8a8":
+            if isinstance(gs, int):
+                raise ValueError(f"scheme w8a8 quantizes weights per channel; group_size must be 'channel', got {gs}")
+            if not self.symmetric:
+                raise ValueError("scheme w8a8 needs symmetric weights (int8 GEMM kernels take no weight zero point)")
+            if self.algorithm == "awq":
+                raise ValueError("algorithm awq is for weight-only schemes; for w8a8 use smoothquant with rtn or gptq")
+            bad = [lp.precision for lp in self.layers if lp.precision == "4bit"]
+            if bad or (self.mixed_precision and "4bit" in self.mixed_precision.candidates):
+                raise ValueError("scheme w8a8 cannot mix in 4bit layers; use precisions '8bit' and '16bit'")
+        elif self.smoothquant is not None:
+            raise ValueError(f"smoothquant applies to scheme w8a8 only (got scheme {self.scheme})")
+        if self.importance and self.observer != "mse":
+            raise ValueError("importance weights the 'mse' observer; set observer: mse")
         return self
 
     def weight_scheme(self) -> QuantScheme:
         """The scheme applied to the selected Linear layers."""
-        bits = 8 if self.scheme == "w8a16" else 4
+        bits = 4 if self.scheme == "w4a16" else 8
         gs = self.group_size
         if gs is None:
             gs = "channel" if bits == 8 else 128
-        return QuantScheme(bits=bits, group_size=None if gs == "channel" else gs, symmetric=self.symmetric)
+        return QuantScheme(
+            bits=bits,
+            group_size=None if gs == "channel" else gs,
+            symmetric=self.symmetric,
+            act_bits=8 if self.scheme == "w8a8" else None,
+        )
+
+    def precision_scheme(self, precision: str) -> QuantScheme | None:
+        """The scheme a per-layer precision stands for (None: 16-bit, left unquantized)."""
+        if precision == "16bit":
+            return None
+        base = self.weight_scheme()
+        if precision == "8bit":
+            if base.bits == 8:
+                return base
+            return QuantScheme(bits=8, group_size=None, symmetric=True)
+        if base.bits == 4:
+            return base
+        gs = self.group_size if isinstance(self.group_size, int) else 128
+        return QuantScheme(bits=4, group_size=gs, symmetric=self.symmetric)
+
+    def needs_calibration_pass(self) -> bool:
+        """Whether the layer-by-layer calibration runs (anything beyond plain min/max RTN)."""
+        return self.algorithm != "rtn" or self.smoothquant is not None or self.importance
 
 
 class ExportConfig(_Strict):

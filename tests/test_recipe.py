@@ -37,7 +37,7 @@ def test_unknown_key_names_file_path_and_allowed(tmp_path):
 def test_wrong_type_and_unknown_scheme(tmp_path):
     with pytest.raises(RecipeError, match=r"calibration\.num_samples: .*\(got: 'many'\)"):
         load_recipe(_write(tmp_path, "calibration:\n  num_samples: many\n"))
-    with pytest.raises(RecipeError, match=r"quantization\.scheme: Input should be 'w8a16' or 'w4a16' \(got: 'w3a16'\)"):
+    with pytest.raises(RecipeError, match=r"quantization\.scheme: Input should be 'w8a16', 'w4a16' or 'w8a8' \(got: 'w3a16'\)"):
         load_recipe(_write(tmp_path, "quantization:\n  scheme: w3a16\n"))
     with pytest.raises(RecipeError, match=r"group_size 48 is not supported; allowed: 32, 64, 128, 256 or 'channel'"):
         load_recipe(_write(tmp_path, "quantization:\n  group_size: 48\n"))

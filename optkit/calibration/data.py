@@ -23,7 +23,9 @@ from optkit.errors import CalibrationError
 from optkit.recipe import CalibrationConfig
 
 Document = str | list  # plain text, or a list of {"role", "content"} messages
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+#: Plain text: ``.txt``, and WikiText's own ``.raw`` / ``.tokens`` files (one document per file).
+TEXT_SUFFIXES = (".txt", ".raw", ".tokens")
+LOCAL_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,10 @@ def read_documents(cfg: CalibrationConfig) -> tuple[list[Document], str]:
     if not path.is_file():
         raise CalibrationError(
             f"calibration source {src!r} not found",
-            hint="use 'builtin', a local .txt/.jsonl/.parquet file, or 'hf:DATASET'",
+            hint="use 'builtin', a local .txt/.raw/.tokens/.jsonl/.parquet file, or 'hf:DATASET'",
         )
     try:
-        if path.suffix == ".txt":
+        if path.suffix in TEXT_SUFFIXES:
             return [path.read_text(encoding="utf-8")], str(path)
         if path.suffix == ".jsonl":
             return list(_read_jsonl(path, cfg.text_field)), str(path)

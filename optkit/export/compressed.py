@@ -22,11 +22,24 @@ from optkit.quantize.rtn import QuantizedWeight
 from optkit.quantize.scheme import QuantScheme
 
 FORMAT = "pack-quantized"
-_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+#: W8A8 (int8 weights and int8 activations): codes stored as int8 ``M.weight`` (out, in) with
+#: ``M.weight_scale`` (out, 1); the config's ``input_activations`` tells runtimes to quantize
+#: the inputs per token at run time (vLLM's int8 GEMM path).
+INT_FORMAT = "int-quantized"
+STORED_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
+
+
+def format_of(scheme: QuantScheme) -> str:
+    return INT_FORMAT if scheme.act_bits is not None else FORMAT
 
 
 def pack_weight(qw: QuantizedWeight, prefix: str) -> dict[str, torch.Tensor]:
     bits = qw.scheme.bits
+    if format_of(qw.scheme) == INT_FORMAT:
+        out = {f"{prefix}weight": qw.q.contiguous(), f"{prefix}weight_scale": qw.scale.contiguous()}
+        if qw.zero_point is not None:
+            out[f"{prefix}weight_zero_point"] = qw.zero_point.contiguous()
+        return out
     out = {
         f"{prefix}weight_packed": pack_to_int32(qw.q, bits),
         f"{prefix}weight_scale": qw.scale.contiguous(),
@@ -38,6 +51,11 @@ def pack_weight(qw: QuantizedWeight, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def unpack_weight(tensors: dict[str, torch.Tensor], prefix: str, scheme: QuantScheme) -> QuantizedWeight:
+    if format_of(scheme) == INT_FORMAT:
+        return QuantizedWeight(
+            tensors[f"{prefix}weight"].to(torch.int8), tensors[f"{prefix}weight_scale"],
+            tensors.get(f"{prefix}weight_zero_point"), scheme,
+        )
     shape = torch.Size(tensors[f"{prefix}weight_shape"].tolist())
     scale = tensors[f"{prefix}weight_scale"]
     q = unpack_from_int32(tensors[f"{prefix}weight_packed"], scheme.bits, shape)
@@ -49,7 +67,7 @@ def unpack_weight(tensors: dict[str, torch.Tensor], prefix: str, scheme: QuantSc
 
 
 def quantization_config(
-    groups: dict[QuantScheme, list[str]], ignore: list[str], linear_names: set[str]
+    groups: dict[QuantScheme, list[str]], ignore: list[str], linear_names: set[str], actorder: bool = False
 ) -> dict:
     """A compressed-tensors ``quantization_config`` (validated by the library's own schema).
 
@@ -64,12 +82,16 @@ def quantization_config(
         only_linear_group = len(linear_groups) == 1 and scheme in linear_groups
         targets = ["Linear"] if only_linear_group else sorted(names)
         config_groups[f"group_{i}"] = QuantizationScheme(
-            targets=targets, weights=scheme.to_compressed_tensors(), format=FORMAT
+            targets=targets,
+            weights=scheme.to_compressed_tensors(actorder=actorder and scheme.group_size is not None),
+            input_activations=scheme.input_activations_compressed_tensors(),
+            format=format_of(scheme),
         )
+    formats = {format_of(s) for s in groups}
     cfg = QuantizationConfig(
         config_groups=config_groups,
         quant_method="compressed-tensors",
-        format=FORMAT,
+        format=formats.pop() if len(formats) == 1 else "mixed-precision",
         quantization_status="compressed",
         ignore=sorted(ignore),
     )

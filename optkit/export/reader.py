@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from optkit import ARTIFACT_FORMAT_VERSION
 from optkit.checkpoint.files import sha256_file
 from optkit.errors import ArtifactError
-from optkit.export.compressed import unpack_weight
+from optkit.export.compressed import STORED_SUFFIXES, unpack_weight
+from optkit.quantize.modules import QuantizedLinear
 from optkit.quantize.plan import output_head_name
 from optkit.quantize.rtn import QuantizedWeight
 from optkit.quantize.scheme import QuantScheme
@@ -74,7 +75,7 @@ def _load_tensors(p: Path, manifest: dict) -> dict[str, torch.Tensor]:
 
 
 def _scheme(d: dict) -> QuantScheme:
-    return QuantScheme(bits=d["bits"], group_size=d["group_size"], symmetric=d["symmetric"])
+    return QuantScheme(bits=d["bits"], group_size=d["group_size"], symmetric=d["symmetric"], act_bits=d.get("act_bits"))
 
 
 def load_quantized_weights(path: str | Path) -> dict[str, QuantizedWeight]:
@@ -101,10 +102,13 @@ def load_dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors = _load_tensors(p, manifest)
     state: dict[str, torch.Tensor] = {}
+    act_quant: dict[str, QuantizedWeight] = {}
     for name, info in manifest["layers"]["quantized"].items():
         qw = unpack_weight(tensors, f"{name}.", _scheme(info))
         state[f"{name}.weight"] = qw.dequantize(dtype)
-        for suffix in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+        if qw.scheme.act_bits is not None:
+            act_quant[name] = qw
+        for suffix in STORED_SUFFIXES:
             tensors.pop(f"{name}.{suffix}", None)
     state.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -114,4 +118,8 @@ def load_dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32)
         missing = [k for k in missing if k != f"{head}.weight"]
     if missing or unexpected:
         raise ArtifactError(f"{p}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, qw in act_quant.items():  # W8A8: the reference module also quantizes its input per token
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantizedLinear(qw, getattr(parent, child).bias))
     return model.eval()

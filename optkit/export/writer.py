@@ -32,14 +32,14 @@ from torch import nn
 from optkit import ARTIFACT_FORMAT_VERSION, __version__
 from optkit.checkpoint.files import sha256_file
 from optkit.errors import ArtifactError
-from optkit.export.compressed import FORMAT, pack_weight, quantization_config
+from optkit.export.compressed import FORMAT, format_of, pack_weight, quantization_config
 from optkit.quantize.modules import QuantizedEmbedding, QuantizedLinear
 from optkit.quantize.plan import LayerPlan, output_head_name, runtime_notes
 from optkit.quantize.scheme import QuantScheme
 
 MANIFEST = "optkit.json"
 _VERSIONED_PACKAGES = ("torch", "transformers", "compressed-tensors", "safetensors", "tokenizers")
-_Q_BUFFERS = ("qweight", "weight_scale", "weight_zero_point")
+_Q_BUFFERS = ("qweight", "weight_scale", "weight_zero_point", "weight")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def plan_manifest(plan: LayerPlan) -> dict:
     ``quantization_config`` says the same for external runtimes)."""
 
     def scheme(s: QuantScheme, kind: str) -> dict:
-        return {"kind": kind, "bits": s.bits, "group_size": s.group_size, "symmetric": s.symmetric}
+        return {"kind": kind, "bits": s.bits, "group_size": s.group_size, "symmetric": s.symmetric, "act_bits": s.act_bits}
 
     return {
         "quantized": {
@@ -128,14 +128,14 @@ def _write_weights(sd: dict[str, torch.Tensor], d: Path, max_bytes: int) -> list
     return names
 
 
-def _write_config(model: nn.Module, plan: LayerPlan, dtype: torch.dtype, d: Path) -> None:
+def _write_config(model: nn.Module, plan: LayerPlan, dtype: torch.dtype, d: Path, actorder: bool) -> None:
     config = copy.deepcopy(model.config)
     groups: dict[QuantScheme, list[str]] = defaultdict(list)
     for name, scheme in {**plan.linears, **plan.embeddings}.items():
         groups[scheme].append(name)
     linear_names = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))}
     ignore = [n for n in linear_names if n not in plan.linears]
-    config.quantization_config = quantization_config(dict(groups), ignore, linear_names)
+    config.quantization_config = quantization_config(dict(groups), ignore, linear_names, actorder=actorder)
     config.architectures = [type(model).__name__]
     config.dtype = dtype
     config.save_pretrained(str(d))
@@ -151,6 +151,7 @@ def write_artifact(
     manifest: dict,
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 1024**3,
+    actorder: bool = False,
 ) -> ArtifactInfo:
     """Write the artifact for an already-quantized ``model`` atomically at ``out``."""
     out = Path(out)
@@ -168,7 +169,7 @@ def write_artifact(
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; an artifact is meant to be shared
         weight_files = _write_weights(build_state_dict(model, dtype), tmp, max_shard_bytes)
-        _write_config(model, plan, dtype, tmp)
+        _write_config(model, plan, dtype, tmp, actorder)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
@@ -179,11 +180,12 @@ def write_artifact(
             for p in sorted(tmp.iterdir())
             if p.is_file()
         }
+        formats = {format_of(s) for s in [*plan.linears.values(), *plan.embeddings.values()]}
         full = {
             "format": "optkit-artifact",
             "format_version": ARTIFACT_FORMAT_VERSION,
             "packages": package_versions(),
-            "weights_format": f"compressed-tensors/{FORMAT}",
+            "weights_format": "compressed-tensors/" + ("+".join(sorted(formats)) or FORMAT),
             **manifest,
             "layers": plan_manifest(plan),
             "files": files,

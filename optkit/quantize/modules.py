@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optkit.quantize.algorithms.smoothquant import quantize_activation_per_token
 from optkit.quantize.primitives import dequantize
 from optkit.quantize.rtn import QuantizedWeight, quantize_weight_rtn
 from optkit.quantize.scheme import QuantScheme
@@ -49,6 +50,7 @@ class _QuantizedWeightMixin(nn.Module):
 
 class QuantizedLinear(_QuantizedWeightMixin):
     """``y = x W'^T + b`` with ``W'`` dequantized from integer codes (see the mixin's buffers).
+    With ``scheme.act_bits`` (W8A8) ``x`` is first quantized per token, dynamically.
 
     ``bias``: ``(out,)`` float or ``None``.
     """
@@ -70,6 +72,8 @@ class QuantizedLinear(_QuantizedWeightMixin):
         return cls(algorithm(linear.weight.detach(), scheme, scale_dtype), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
+        if self.scheme.act_bits is not None:  # W8A8: int8 per-token activations, as the int8 GEMM sees them
+            x = quantize_activation_per_token(x, self.scheme.act_bits)
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:

@@ -17,6 +17,9 @@ from torch import nn
 
 from optkit.errors import QuantizationError
 from optkit.quantize.modules import QuantizedEmbedding, QuantizedLinear
+from optkit.quantize.observers import Observer, minmax_observer
+from optkit.quantize.primitives import quantize
+from optkit.quantize.rtn import QuantizedWeight
 from optkit.quantize.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
 
 if TYPE_CHECKING:
@@ -117,6 +120,7 @@ def plan_layers(model: nn.Module, cfg: QuantizationConfig, tied: bool) -> LayerP
         raise QuantizationError("the model has no nn.Linear layers to quantize")
     _check_patterns(include, linear_names, "include")
     _check_patterns(exclude, linear_names, "exclude")
+    _check_patterns([lp.match for lp in cfg.layers], linear_names, "layers[].match")
 
     modules = dict(model.named_modules())
     linears: dict[str, QuantScheme] = {}
@@ -127,17 +131,27 @@ def plan_layers(model: nn.Module, cfg: QuantizationConfig, tied: bool) -> LayerP
         if not any(matches(n, p) for p in include) or any(matches(n, p) for p in exclude):
             excluded.append(n)
             continue
+        layer_scheme = scheme
+        override = next((lp for lp in cfg.layers if matches(n, lp.match)), None)
+        if override is not None:
+            layer_scheme = cfg.precision_scheme(override.precision)
+            if layer_scheme is None:  # '16bit'
+                excluded.append(n)
+                continue
         in_f = modules[n].in_features
-        if scheme.fits(in_f):
-            linears[n] = scheme
+        if layer_scheme.fits(in_f):
+            linears[n] = layer_scheme
         elif cfg.allow_skip:
-            skipped[n] = f"in_features {in_f} is not divisible by group_size {scheme.group_size}"
+            skipped[n] = f"in_features {in_f} is not divisible by group_size {layer_scheme.group_size}"
         else:
-            misfits.append(f"{n} (in_features {in_f}; group sizes that fit: {', '.join(_fitting_group_sizes(in_f))})")
+            misfits.append(
+                f"{n} (group_size {layer_scheme.group_size}, in_features {in_f}; "
+                f"group sizes that fit: {', '.join(_fitting_group_sizes(in_f))})"
+            )
     if misfits:
         shown = "\n  ".join(misfits[:8]) + (f"\n  ... and {len(misfits) - 8} more" if len(misfits) > 8 else "")
         raise QuantizationError(
-            f"group_size {scheme.group_size} does not divide the input width of {len(misfits)} layer(s):\n  {shown}",
+            f"the group size does not divide the input width of {len(misfits)} layer(s):\n  {shown}",
             hint="choose a group size that fits, or set quantization.allow_skip: true (--allow-skip) "
             "to keep these layers in 16-bit",
         )
@@ -163,13 +177,31 @@ def plan_layers(model: nn.Module, cfg: QuantizationConfig, tied: bool) -> LayerP
     return LayerPlan(linears, emb_plan, skipped, tuple(excluded), untie)
 
 
+def replan(plan: LayerPlan, choices: dict[str, QuantScheme | None]) -> LayerPlan:
+    """``plan`` with the Linear layers in ``choices`` set to a new scheme (None: 16-bit)."""
+    linears = dict(plan.linears)
+    excluded = list(plan.excluded)
+    for name, scheme in choices.items():
+        if scheme is None:
+            linears.pop(name, None)
+            if name not in excluded:
+                excluded.append(name)
+        else:
+            linears[name] = scheme
+            if name in excluded:
+                excluded.remove(name)
+    return LayerPlan(linears, dict(plan.embeddings), dict(plan.skipped), tuple(excluded), plan.untie)
+
+
 def apply_plan(
     model: nn.Module,
     plan: LayerPlan,
     scale_dtype: torch.dtype,
     on_layer: Callable[[str], None] | None = None,
+    observer: Observer = minmax_observer,
 ) -> None:
-    """Replace planned modules in place with their quantized versions (round-to-nearest)."""
+    """Replace planned modules in place with their quantized versions (round-to-nearest with
+    ``observer``). Modules already quantized (by the layer-by-layer pass) are left alone."""
     if plan.untie:
         head = model.get_output_embeddings()
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
@@ -178,10 +210,20 @@ def apply_plan(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            continue
         if isinstance(module, nn.Embedding):
             new = QuantizedEmbedding.from_float(module, scheme, scale_dtype)
         else:
-            new = QuantizedLinear.from_float(module, scheme, scale_dtype)
+            new = QuantizedLinear.from_float(module, scheme, scale_dtype, algorithm=_rtn_with(observer))
         setattr(parent, child, new)
         if on_layer is not None:
             on_layer(name)
+
+
+def _rtn_with(observer: Observer):
+    def algorithm(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype) -> QuantizedWeight:
+        scale, zp = observer(w, scheme, scale_dtype, None)
+        return QuantizedWeight(quantize(w, scale, zp, scheme), scale, zp, scheme)
+
+    return algorithm

@@ -22,17 +22,22 @@ class QuantScheme:
         group_size: weights sharing one scale along the input dimension; ``None`` means one
             scale per output channel (the whole row).
         symmetric: if False, each group also has an integer zero point.
+        act_bits: ``None`` for weight-only; ``8`` quantizes the layer's input activations
+            to int8 dynamically, one symmetric scale per token (W8A8).
     """
 
     bits: int
     group_size: int | None = None
     symmetric: bool = True
+    act_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"group_size must be positive or None, got {self.group_size}")
+        if self.act_bits not in (None, 8):
+            raise ValueError(f"act_bits must be None or 8, got {self.act_bits}")
 
     # Signed storage range, as compressed-tensors defines it: int4 -> [-8, 7], int8 -> [-128, 127].
     @property
@@ -52,7 +57,8 @@ class QuantScheme:
 
     def label(self) -> str:
         g = "channel" if self.group_size is None else f"g{self.group_size}"
-        return f"int{self.bits}-{g}-{'sym' if self.symmetric else 'asym'}"
+        a = "" if self.act_bits is None else f"-a{self.act_bits}"
+        return f"int{self.bits}-{g}-{'sym' if self.symmetric else 'asym'}{a}"
 
     def bits_per_weight(self, scale_bits: int = 16) -> float:
         """Storage bits per weight including scales (and zero points when asymmetric)."""
@@ -61,8 +67,12 @@ class QuantScheme:
         overhead = scale_bits + (0 if self.symmetric else self.bits)
         return self.bits + overhead / self.group_size
 
-    def to_compressed_tensors(self) -> dict:
-        """The ``weights`` QuantizationArgs of the compressed-tensors format."""
+    def to_compressed_tensors(self, actorder: bool = False) -> dict:
+        """The ``weights`` QuantizationArgs of the compressed-tensors format.
+
+        ``actorder``: GPTQ ran in activation order with static groups ("weight" in
+        compressed-tensors): the stored layout is unchanged, runtimes need no ``g_idx``.
+        """
         return {
             "num_bits": self.bits,
             "type": "int",
@@ -70,6 +80,12 @@ class QuantScheme:
             "strategy": self.strategy,
             "group_size": self.group_size,
             "dynamic": False,
-            "actorder": None,
+            "actorder": "weight" if actorder else None,
             "observer": "minmax",
         }
+
+    def input_activations_compressed_tensors(self) -> dict | None:
+        """The ``input_activations`` QuantizationArgs (dynamic per-token int8), or None."""
+        if self.act_bits is None:
+            return None
+        return {"num_bits": self.act_bits, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}

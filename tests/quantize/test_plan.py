@@ -65,8 +65,8 @@ def test_group_misfit_names_layer_and_fitting_sizes():
         _plan(model, scheme=QuantScheme(4, 64, True))
     msg = str(exc.value)
     # q_proj has in_features 96: 32 fits, 64 does not; down_proj has 160: only 32 fits
-    assert "model.layers.0.self_attn.q_proj (in_features 96; group sizes that fit: 32, 'channel')" in msg
-    assert "model.layers.0.mlp.down_proj (in_features 160; group sizes that fit: 32, 'channel')" in msg
+    assert "model.layers.0.self_attn.q_proj (group_size 64, in_features 96; group sizes that fit: 32, 'channel')" in msg
+    assert "model.layers.0.mlp.down_proj (group_size 64, in_features 160; group sizes that fit: 32, 'channel')" in msg
     assert "allow_skip" in msg
 
 
