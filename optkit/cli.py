@@ -45,6 +45,7 @@ class AlgorithmName(str, Enum):
 
 
 class ObserverName(str, Enum):
+    auto = "auto"
     minmax = "minmax"
     mse = "mse"
 
@@ -193,9 +194,14 @@ def quantize(
     algorithm: Annotated[
         AlgorithmName, typer.Option(help="rtn (round-to-nearest), gptq (Hessian error compensation) or awq (activation-aware scaling).")
     ] = AlgorithmName.rtn,
-    observer: Annotated[ObserverName, typer.Option(help="Scale choice: minmax, or mse (clipping search).")] = ObserverName.minmax,
-    importance: Annotated[bool, typer.Option("--importance", help="Weight the mse search by activation energy.")] = False,
-    act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: activation order, static groups.")] = False,
+    observer: Annotated[
+        ObserverName, typer.Option(help="Scale choice: minmax, mse (clipping search); auto = mse for gptq, else minmax.")
+    ] = ObserverName.auto,
+    importance: Annotated[
+        Optional[bool],
+        typer.Option("--importance/--no-importance", help="Weight the mse search by activation energy (default: on for gptq)."),
+    ] = None,
+    act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="GPTQ: activation order, static groups.")] = True,
     damp: Annotated[float, typer.Option(help="GPTQ dampening (fraction of the mean Hessian diagonal).")] = 0.01,
     smoothquant: Annotated[
         Optional[float], typer.Option(help="SmoothQuant migration strength alpha in [0, 1] (w8a8 only).")

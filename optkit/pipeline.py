@@ -137,7 +137,7 @@ def resume_dir(out: Path) -> Path:
 
 
 def _mixed_plan(model, plan: LayerPlan, q: QuantizationConfig, input_ids: torch.Tensor, dtype: torch.dtype,
-                compute_dtype: torch.dtype, reporter: Reporter, store: ResumeStore | None) -> tuple[LayerPlan, SensitivityTable, MixedPlan]:
+                reporter: Reporter, store: ResumeStore | None) -> tuple[LayerPlan, SensitivityTable, MixedPlan]:
     mp = q.mixed_precision
     fixed = {n for n in plan.linears if any(_matches(n, lp.match) for lp in q.layers)}
     modules = dict(model.named_modules())
@@ -153,8 +153,7 @@ def _mixed_plan(model, plan: LayerPlan, q: QuantizationConfig, input_ids: torch.
                             f"({', '.join(measured)}; {ids.numel()} tokens)", total=len(names)) as advance:
             table = measure_sensitivity(
                 model, ids, {n: {lbl: s for lbl, s in measured.items() if s.fits(modules[n].in_features)} for n in names},
-                get_observer(q.observer), dtype, on_layer=lambda _n: advance(), compute_dtype=compute_dtype,
-                measure=mp.measure,
+                get_observer(q.resolved_observer()), dtype, on_layer=lambda _n: advance(), measure=mp.measure,
             )
         if store is not None:
             store.put_extra("sensitivity", table.to_json())
@@ -238,12 +237,12 @@ def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResu
     sensitivity = mixed = None
     if q.mixed_precision is not None:
         with torch.no_grad():
-            plan, sensitivity, mixed = _mixed_plan(model, plan, q, calib.input_ids, dtype, compute_dtype, reporter, store)
+            plan, sensitivity, mixed = _mixed_plan(model, plan, q, calib.input_ids, dtype, reporter, store)
         notices.append(f"mixed precision: {mixed.describe()}")
         params_quantized = sum(modules[n].weight.numel() for n in [*plan.linears, *plan.embeddings])
 
     calibrated = None
-    observer = get_observer(q.observer)
+    observer = get_observer(q.resolved_observer())
     if q.needs_calibration_pass():
         from optkit.quantize.mappings import decoder_blocks
 

@@ -71,7 +71,7 @@ class CalibrationConfig(_Strict):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description=(
-            "dtype of the block forwards during layer-by-layer calibration and sensitivity analysis. "
+            "dtype of the block forwards during layer-by-layer calibration. "
             "Weights, Hessians and the algorithms stay float32. 'auto': bfloat16 where the hardware has "
             "fast bfloat16 matmuls (CUDA, or CPUs with AVX512-BF16/AMX), else float32."
         ),
@@ -101,7 +101,7 @@ class GPTQConfig(_Strict):
     )
     block_size: int = Field(128, ge=1, le=8192, description="Columns per lazy batch update.")
     act_order: bool = Field(
-        False,
+        True,
         description=(
             "Quantize columns in order of decreasing activation energy. Groups stay static (scales "
             "computed in the original column order), so the packed format and runtimes are unchanged."
@@ -177,7 +177,7 @@ class MixedPrecisionConfig(_Strict):
         default_factory=lambda: ["4bit", "8bit", "16bit"], description="Precisions the plan may choose from."
     )
     num_samples: int = Field(4, ge=1, le=1024, description="Calibration windows used to measure sensitivity.")
-    seq_len: int = Field(256, ge=8, le=131072, description="Tokens per sensitivity window (a prefix of each window).")
+    seq_len: int = Field(128, ge=8, le=131072, description="Tokens per sensitivity window (a prefix of each window).")
     measure: Literal["lowest", "all"] = Field(
         "lowest",
         description=(
@@ -220,19 +220,20 @@ class QuantizationConfig(_Strict):
             "with the inputs' Hessian, 'awq' activation-aware scaling and clipping, then round-to-nearest."
         ),
     )
-    observer: Literal["minmax", "mse"] = Field(
-        "minmax",
+    observer: Literal["auto", "minmax", "mse"] = Field(
+        "auto",
         description=(
             "How each group's scale (and zero point) is chosen: 'minmax' covers the full range, 'mse' searches "
             "a clipping ratio that minimizes the rounding error (weighted by activation energy when "
-            "'importance' is on)."
+            "'importance' is on). 'auto': mse for gptq, minmax otherwise."
         ),
     )
-    importance: bool = Field(
-        False,
+    importance: bool | None = Field(
+        None,
         description=(
             "Weight the 'mse' observer's error by each input channel's activation energy (mean x^2 over the "
-            "calibration tokens, llama.cpp's importance matrix). Needs a calibration pass."
+            "calibration tokens, llama.cpp's importance matrix). Needs a calibration pass. Default: on for "
+            "gptq with the mse observer, off otherwise."
         ),
     )
     gptq: GPTQConfig = Field(default_factory=GPTQConfig, description="GPTQ settings (algorithm: gptq).")
@@ -293,9 +294,20 @@ class QuantizationConfig(_Strict):
                 raise ValueError("scheme w8a8 cannot mix in 4bit layers; use precisions '8bit' and '16bit'")
         elif self.smoothquant is not None:
             raise ValueError(f"smoothquant applies to scheme w8a8 only (got scheme {self.scheme})")
-        if self.importance and self.observer != "mse":
+        if self.importance and self.resolved_observer() != "mse":
             raise ValueError("importance weights the 'mse' observer; set observer: mse")
         return self
+
+    def resolved_observer(self) -> str:
+        """The observer 'auto' stands for: mse under GPTQ (measured better on every setting we ran), else minmax."""
+        if self.observer != "auto":
+            return self.observer
+        return "mse" if self.algorithm == "gptq" else "minmax"
+
+    def resolved_importance(self) -> bool:
+        if self.importance is not None:
+            return self.importance
+        return self.algorithm == "gptq" and self.resolved_observer() == "mse"
 
     def weight_scheme(self) -> QuantScheme:
         """The scheme applied to the selected Linear layers."""
@@ -326,7 +338,7 @@ class QuantizationConfig(_Strict):
 
     def needs_calibration_pass(self) -> bool:
         """Whether the layer-by-layer calibration runs (anything beyond plain min/max RTN)."""
-        return self.algorithm != "rtn" or self.smoothquant is not None or self.importance
+        return self.algorithm != "rtn" or self.smoothquant is not None or self.resolved_importance()
 
 
 class ExportConfig(_Strict):

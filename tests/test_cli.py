@@ -54,7 +54,7 @@ def test_group_size_that_does_not_fit_names_the_layer(tmp_path, small_calib):
     args = [str(ck), "--calib", str(small_calib), "--num-samples", "4", "--seq-len", "64"]
     res = optkit("quantize", *args, "--group-size", "64", "--out", str(tmp_path / "o"))
     assert res.returncode == 2
-    assert "model.layers.0.self_attn.q_proj (in_features 96; group sizes that fit: 32" in res.stderr
+    assert "model.layers.0.self_attn.q_proj (group_size 64, in_features 96; group sizes that fit: 32" in res.stderr
     assert not (tmp_path / "o").exists()
     ok = optkit("quantize", *args, "--group-size", "64", "--allow-skip", "--out", str(tmp_path / "o"))
     assert ok.returncode == 0, ok.stderr

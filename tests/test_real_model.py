@@ -85,7 +85,7 @@ def test_group_128_does_not_fit_smollm2(real_env, tmp_path):
     r = r.model_copy(update={"quantization": q, "export": r.export.model_copy(update={"out": str(tmp_path / "o")})})
     with pytest.raises(QuantizationError) as exc:
         run_recipe(r)
-    assert "model.layers.0.self_attn.q_proj (in_features 576; group sizes that fit: 32, 64, 'channel')" in str(exc.value)
+    assert "model.layers.0.self_attn.q_proj (group_size 128, in_features 576; group sizes that fit: 32, 64, 'channel')" in str(exc.value)
     assert not (tmp_path / "o").exists()
 
 

@@ -167,11 +167,13 @@ def run_block(block: nn.Module, hidden: torch.Tensor, kwargs: dict, compute_dtyp
 def execution_groups(block: nn.Module, names: list[str], inputs: BlockInputs) -> list[list[str]]:
     """The linears ``names`` (relative to ``block``) in execution order, grouped by shared input
     (q/k/v read one tensor, gate/up another), from one batch through the block."""
-    order: list[tuple[str, int]] = []
+    # Keep the input tensors themselves alive for the whole pass: comparing addresses alone would
+    # group two linears whose inputs merely reused the same freed memory.
+    order: list[tuple[str, torch.Tensor]] = []
     handles = []
     for n in names:
         def pre(_m, args, n=n):
-            order.append((n, args[0].data_ptr()))
+            order.append((n, args[0]))
         handles.append(block.get_submodule(n).register_forward_pre_hook(pre))
     try:
         h, kw = next(inputs.batches())
@@ -180,17 +182,18 @@ def execution_groups(block: nn.Module, names: list[str], inputs: BlockInputs) ->
         for hd in handles:
             hd.remove()
     groups: list[list[str]] = []
-    last_ptr = None
+    last_input = None
     seen = set()
-    for n, ptr in order:
+    for n, x in order:
         if n in seen:
             continue
         seen.add(n)
-        if groups and ptr == last_ptr:
+        if groups and x is last_input:
             groups[-1].append(n)
         else:
             groups.append([n])
-        last_ptr = ptr
+        last_input = x
+    order.clear()
     missing = [n for n in names if n not in seen]
     if missing:
         groups.append(missing)  # never called on calibration data; the token check reports them

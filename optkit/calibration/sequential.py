@@ -95,7 +95,7 @@ class BlockQuantizer:
         self.q = q
         self.scale_dtype = scale_dtype
         self.report = report
-        self.observer = get_observer(q.observer)
+        self.observer = get_observer(q.resolved_observer())
 
     def _transform(self, i: int, block: nn.Module, groups: list[list[str]], stats: dict[str, InputStats],
                    schemes: dict[str, QuantScheme], prefix: str) -> None:
@@ -137,7 +137,7 @@ class BlockQuantizer:
         q = self.q
         all_linears = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
         groups = execution_groups(block, all_linears, inputs)
-        needs_h = q.algorithm in ("gptq", "awq") or q.importance
+        needs_h = q.algorithm in ("gptq", "awq") or q.resolved_importance()
         stats: dict[str, InputStats] | None = None
         if q.algorithm == "awq" or q.smoothquant is not None:
             # the Hessian also gives every layer's output error for the report, whatever the algorithm
@@ -174,7 +174,7 @@ class BlockQuantizer:
             if st is not None:
                 _check_tokens(name, st, lin.in_features, needs_hessian=st.H is not None)
                 info["tokens"] = st.n
-            importance = st.energy() if (q.importance and st is not None) else None
+            importance = st.energy() if (q.resolved_importance() and st is not None) else None
             W_float = W
             if q.algorithm == "gptq":
                 if D is not None:

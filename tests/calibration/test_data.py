@@ -85,7 +85,7 @@ def test_bad_records(tmp_path, tokenizer):
         build_calibration(_cfg(tmp_path / "nope.txt"), tokenizer)
     other = tmp_path / "x.csv"
     other.write_text("a,b")
-    with pytest.raises(CalibrationError, match=r"unsupported calibration file type '.csv'; allowed: .txt, .jsonl, .parquet"):
+    with pytest.raises(CalibrationError, match=r"unsupported calibration file type '.csv'; allowed: .txt, .raw, .tokens, .jsonl, .parquet"):
         build_calibration(_cfg(other), tokenizer)
 
 

@@ -103,6 +103,38 @@ def test_transformers_loads_artifact_without_optkit(tiny_ckpt, small_calib, tmp_
     assert cfg["quantization_config"]["format"] == "pack-quantized"
 
 
+CALIBRATED = {
+    "gptq-g32": {"algorithm": "gptq", "observer": "mse", "importance": True},
+    "gptq-actorder-g64": {"group_size": 64, "algorithm": "gptq", "gptq": {"act_order": True}},
+    "awq-g32": {"algorithm": "awq"},
+    "w8a8-smoothquant-gptq": {"scheme": "w8a8", "group_size": "channel", "algorithm": "gptq", "smoothquant": {"alpha": 0.8}},
+    "mixed-precision": {"algorithm": "gptq", "mixed_precision": {"bits_per_weight": 5.5, "num_samples": 2, "seq_len": 32}},
+}
+
+
+@pytest.mark.parametrize("method", list(CALIBRATED))
+def test_every_method_loads_in_transformers_and_matches_optkit(tiny_ckpt, small_calib, tmp_path, method):
+    out = tmp_path / "art"
+    recipe = _recipe(tiny_ckpt, small_calib, out, **CALIBRATED[method])
+    recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"num_samples": 8})})
+    run_recipe(recipe)
+    res = _hf_load_in_subprocess(out, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    hf_logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    ours = load_dequantized_model(out)
+    with torch.no_grad():
+        our_logits = ours(torch.tensor([list(range(3, 40))])).logits
+    assert (hf_logits - our_logits).abs().max().item() < 1e-4
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    if method.startswith("w8a8"):
+        assert cfg["format"] == "int-quantized"
+    elif method == "mixed-precision":  # one config group per scheme chosen
+        chosen = set(read_manifest(out)["mixed_precision"]["choice"].values()) - {"16bit"}
+        assert len(cfg["config_groups"]) == len(chosen)
+    if method == "gptq-actorder-g64":
+        assert cfg["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="upstream: transformers does not load asymmetric pack-quantized zero points (llm-compressor#1618) "

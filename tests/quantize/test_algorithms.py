@@ -6,7 +6,14 @@ from torch import nn
 
 from optkit.errors import QuantizationError
 from optkit.quantize.algorithms.awq import quadratic_error, search_clip, search_scales
-from optkit.quantize.algorithms.gptq import accumulate_hessian, gptq_quantize, inverse_hessian_cholesky, output_error
+from optkit.quantize.algorithms.gptq import (
+    accumulate_hessian,
+    correct_for_input_error,
+    gptq_quantize,
+    inverse_hessian_cholesky,
+    output_error,
+    refine_scales,
+)
 from optkit.quantize.algorithms.smoothquant import quantize_activation_per_token, smooth_scales
 from optkit.quantize.mappings import block_mappings, fold_scales
 from optkit.quantize.observers import minmax_observer, mse_observer
@@ -184,3 +191,35 @@ def test_fold_scales_with_linear_producer():
     y = nxt(prev(x))
     fold_scales(prev, [nxt], torch.rand(6) + 0.5)
     torch.testing.assert_close(nxt(prev(x)), y, rtol=1e-5, atol=1e-5)
+
+
+def test_refine_scales_never_raises_the_output_error():
+    x = _correlated_inputs(seed=4)
+    H = accumulate_hessian(None, x)
+    w = torch.randn(32, 64)
+    for scheme in (W4G16, QuantScheme(4, 16, False), QuantScheme(8, None, True)):
+        qw = gptq_quantize(w, H, scheme, torch.bfloat16).weight
+        refined = refine_scales(w, qw, H)
+        assert torch.equal(refined.q, qw.q)  # codes fixed, only scales move
+        assert refined.scale.dtype == torch.bfloat16
+        assert output_error(w, refined.dequantize(), H) <= output_error(w, qw.dequantize(), H)
+    qw = gptq_quantize(w, H, W4G16, torch.float32).weight
+    assert output_error(w, refine_scales(w, qw, H).dequantize(), H) < 0.99 * output_error(w, qw.dequantize(), H)
+
+
+def test_error_correction_fits_the_float_outputs():
+    g = torch.Generator().manual_seed(5)
+    x_float = _correlated_inputs(seed=5)
+    x_quant = x_float + 0.05 * torch.randn(x_float.shape, generator=g) * x_float.abs().mean(0)  # upstream error
+    w = torch.randn(16, 64, generator=g)
+    H = accumulate_hessian(None, x_quant)
+    D = (x_float - x_quant).T @ x_quant
+    target = x_float @ w.T
+
+    def err(v):
+        return float(((x_quant @ v.T) - target).pow(2).sum())
+
+    full = correct_for_input_error(w, H, D, alpha=1.0, damp=1e-6)
+    half = correct_for_input_error(w, H, D, alpha=0.5, damp=1e-6)
+    assert err(full) < err(half) < err(w)  # moving towards the least-squares optimum
+    torch.testing.assert_close(correct_for_input_error(w, H, torch.zeros_like(D), 1.0), w)  # no upstream error

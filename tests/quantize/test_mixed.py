@@ -134,3 +134,23 @@ def test_mixed_recipe_end_to_end_budget_and_saved_plan(tiny_ckpt, small_calib, t
     assert "model.layers.0.mlp.down_proj" not in mp["choice"]  # fixed by hand, not planned
     assert "model.layers.0.mlp.down_proj" not in written  # and left 16-bit
     assert res.mixed is not None and res.to_json()["most_sensitive"]
+
+
+def test_higher_bit_kl_is_measured_or_scaled_from_the_lowest():
+    torch.manual_seed(1)
+    model = tiny_llama(128, layers=2).float().eval()
+    ids = torch.randint(0, 128, (2, 16))
+    name = "model.layers.1.mlp.up_proj"
+    opts = {name: {"4bit": QuantScheme(4, 32, True), "8bit": QuantScheme(8, None, True)}}
+    low = measure_sensitivity(model, ids, opts, minmax_observer, torch.float32, measure="lowest")
+    full = measure_sensitivity(model, ids, opts, minmax_observer, torch.float32, measure="all")
+    assert low.measured[name] == ["4bit"] and sorted(full.measured[name]) == ["4bit", "8bit"]
+    assert low.kl[name]["4bit"] == pytest.approx(full.kl[name]["4bit"])
+    w = model.get_submodule(name).weight.data
+    e = {}
+    for lbl, sch in opts[name].items():
+        s, z = minmax_observer(w, sch, torch.float32, None)
+        e[lbl] = float((dequantize(quantize(w, s, z, sch), s, z, sch) - w).pow(2).sum())
+    assert low.kl[name]["8bit"] == pytest.approx(low.kl[name]["4bit"] * e["8bit"] / e["4bit"])
+    # the estimate and the measurement agree to within a factor of a few (KL ~ quadratic)
+    assert 0.2 < low.kl[name]["8bit"] / full.kl[name]["8bit"] < 5
