@@ -98,3 +98,25 @@ def test_verify_names_the_tampered_file(quant_args, tmp_path):
     assert res.returncode == 1 and f"FAIL {out}/config.json: " in res.stderr
     missing = optkit("verify", str(tmp_path / "nothing-here"))
     assert missing.returncode == 2 and "not an artifact directory" in missing.stderr
+
+
+def test_calibrated_flags_from_the_command_line(tiny_ckpt, small_calib, tmp_path):
+    args = [str(tiny_ckpt), "--calib", str(small_calib), "--num-samples", "8", "--seq-len", "64", "--group-size", "32"]
+    out = tmp_path / "gptq"
+    res = optkit("quantize", *args, "--algorithm", "gptq", "--layer", "*.0.mlp.down_proj=8bit", "--out", str(out),
+                 "--summary-json", str(tmp_path / "s.json"))
+    assert res.returncode == 0, res.stderr
+    assert "(gptq)" in res.stdout and "output error" in res.stdout and "peak memory" in res.stdout
+    manifest = json.loads((out / "optkit.json").read_text())
+    assert manifest["layers"]["quantized"]["model.layers.0.mlp.down_proj"]["bits"] == 8
+    assert manifest["recipe"]["quantization"]["gptq"]["act_order"] is True
+    # a budget below the smallest plan: exit 2, the closest plan named, nothing written
+    bad = optkit("quantize", *args, "--bits-per-weight", "3", "--out", str(tmp_path / "mixed"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "no plan fits 3.0 bits/weight" in bad.stderr and "closest plan" in bad.stderr
+    assert not (tmp_path / "mixed").exists()
+    sq = optkit("quantize", *args, "--smoothquant", "0.5", "--out", str(tmp_path / "sq"))
+    assert sq.returncode == 2 and "smoothquant applies to scheme w8a8 only" in sq.stderr
+    w8a8 = optkit("quantize", *args[:-2], "--scheme", "w8a8", "--smoothquant", "0.5", "--out", str(tmp_path / "w8a8"))
+    assert w8a8.returncode == 0, w8a8.stderr
+    assert "int8-channel-sym-a8" in w8a8.stdout

@@ -34,6 +34,7 @@ class InputStats:
     """
 
     hessian: bool
+    absolute: bool = True
     H: torch.Tensor | None = None
     absmax: torch.Tensor | None = None
     abs_sum: torch.Tensor | None = None
@@ -44,10 +45,11 @@ class InputStats:
         if self.hessian:
             with torch.autocast(x2.device.type, enabled=False):  # the Hessian is always summed in float32
                 self.H = accumulate_hessian(self.H, x2)
-        a = x2.abs()
-        amax, asum = a.amax(dim=0), a.sum(dim=0)
-        self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
-        self.abs_sum = asum if self.abs_sum is None else self.abs_sum + asum
+        if self.absolute:
+            a = x2.abs()
+            amax, asum = a.amax(dim=0), a.sum(dim=0)
+            self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
+            self.abs_sum = asum if self.abs_sum is None else self.abs_sum + asum
         self.n += x2.shape[0]
 
     def mean_abs(self) -> torch.Tensor:
@@ -62,8 +64,9 @@ class InputStats:
         s = s.float()
         if self.H is not None:
             self.H = self.H / s.unsqueeze(0) / s.unsqueeze(1)
-        self.absmax = self.absmax / s
-        self.abs_sum = self.abs_sum / s
+        if self.absmax is not None:
+            self.absmax = self.absmax / s
+            self.abs_sum = self.abs_sum / s
 
 
 @dataclass
@@ -201,11 +204,11 @@ def execution_groups(block: nn.Module, names: list[str], inputs: BlockInputs) ->
 
 
 def collect_stats(
-    block: nn.Module, groups: list[list[str]], inputs: BlockInputs, hessian: bool
+    block: nn.Module, groups: list[list[str]], inputs: BlockInputs, hessian: bool, absolute: bool = False
 ) -> dict[str, InputStats]:
     """One pass over every batch; statistics per group of linears sharing an input (keyed by the
     group's first name). The pass stops after the last group's linears have read their input."""
-    stats = {g[0]: InputStats(hessian=hessian) for g in groups}
+    stats = {g[0]: InputStats(hessian=hessian, absolute=absolute) for g in groups}
     stop_at = groups[-1][0]
     handles = []
     for g in groups:
@@ -248,7 +251,7 @@ def collect_pair_stats(
 ) -> PairStats:
     """One pass over every batch through both the (partially quantized) block and the float
     block, stopping each at ``name``'s input."""
-    st = InputStats(hessian=True)
+    st = InputStats(hessian=True, absolute=False)
     pair = PairStats(st)
     seen: dict[str, torch.Tensor] = {}
 

@@ -96,6 +96,7 @@ class BlockQuantizer:
         self.scale_dtype = scale_dtype
         self.report = report
         self.observer = get_observer(q.resolved_observer())
+        self._groups: dict[tuple[str, ...], list[list[str]]] = {}
 
     def _transform(self, i: int, block: nn.Module, groups: list[list[str]], stats: dict[str, InputStats],
                    schemes: dict[str, QuantScheme], prefix: str) -> None:
@@ -135,13 +136,15 @@ class BlockQuantizer:
         With ``float_block`` / ``float_inputs`` (error correction) each group is fitted to the
         float model's outputs."""
         q = self.q
-        all_linears = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
-        groups = execution_groups(block, all_linears, inputs)
+        all_linears = tuple(n for n, m in block.named_modules() if isinstance(m, nn.Linear))
+        if all_linears not in self._groups:  # blocks of one model share their structure: trace it once
+            self._groups[all_linears] = execution_groups(block, list(all_linears), inputs)
+        groups = self._groups[all_linears]
         needs_h = q.algorithm in ("gptq", "awq") or q.resolved_importance()
         stats: dict[str, InputStats] | None = None
         if q.algorithm == "awq" or q.smoothquant is not None:
             # the Hessian also gives every layer's output error for the report, whatever the algorithm
-            stats = collect_stats(block, groups, inputs, hessian=True)
+            stats = collect_stats(block, groups, inputs, hessian=True, absolute=True)
             self._transform(i, block, groups, stats, schemes, prefix)
         planned_groups = [[n for n in g if n in schemes] for g in groups]
         planned_groups = [g for g, pg in zip(groups, planned_groups, strict=False) if pg]
@@ -242,11 +245,12 @@ def quantize_sequential(
         float_block = copy.deepcopy(block) if float_inputs is not None else None
         if local:
             bq.quantize_block(i, block, inputs, local, prefix, float_block, float_inputs)
-        inputs = propagate(block, inputs)
-        if float_inputs is not None:
-            float_inputs = propagate(float_block, float_inputs)
-        if resume is not None:
-            resume.save(i, block, prefix, inputs, report, float_inputs)
+        if i < len(blocks) - 1:  # the last block's outputs feed nothing
+            inputs = propagate(block, inputs)
+            if float_inputs is not None:
+                float_inputs = propagate(float_block, float_inputs)
+            if resume is not None:
+                resume.save(i, block, prefix, inputs, report, float_inputs)
         if on_block is not None:
             on_block(i, len(blocks))
     return report

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from optkit.quantize.primitives import _grouped, compute_qparams
+from optkit.quantize.primitives import _grouped, compute_qparams, qparams_for_range
 from optkit.quantize.scheme import QuantScheme
 
 #: (w (out, in), scheme, scale_dtype, importance (in,) | None) -> (scale, zero_point)
@@ -27,24 +27,6 @@ def minmax_observer(
     w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype, importance: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     return compute_qparams(w, scheme, scale_dtype)
-
-
-def _qparams_for_range(
-    wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale / zero point covering ``[wmin, wmax]`` (both (out, G)), as compute_qparams does."""
-    qrange = scheme.qmax - scheme.qmin
-    if scheme.symmetric:
-        scale = torch.maximum(wmax, -wmin) / (qrange / 2)
-    else:
-        scale = (wmax - wmin) / qrange
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
-    finfo = torch.finfo(scale_dtype)
-    scale = scale.clamp(min=finfo.tiny, max=finfo.max)
-    if scheme.symmetric:
-        return scale, None
-    zp = torch.round(scheme.qmin - wmin / scale.float()).clamp(scheme.qmin, scheme.qmax)
-    return scale, zp.to(torch.int8)
 
 
 def _group_error(
@@ -85,10 +67,10 @@ def mse_observer(
         imp = importance.float().reshape(wg.shape[1], wg.shape[2])  # (G, g)
     wmin = wg.amin(dim=-1).clamp(max=0.0)  # (out, G)
     wmax = wg.amax(dim=-1).clamp(min=0.0)
-    best_scale, best_zp = _qparams_for_range(wmin, wmax, scheme, scale_dtype)
+    best_scale, best_zp = qparams_for_range(wmin, wmax, scheme, scale_dtype)
     best_err = _group_error(wg, best_scale, best_zp, scheme, imp)
     for p in torch.linspace(1.0, 1.0 - max_shrink, grid)[1:].tolist():
-        scale, zp = _qparams_for_range(wmin * p, wmax * p, scheme, scale_dtype)
+        scale, zp = qparams_for_range(wmin * p, wmax * p, scheme, scale_dtype)
         err = _group_error(wg, scale, zp, scheme, imp)
         better = err < best_err  # (out, G)
         best_err = torch.where(better, err, best_err)

@@ -210,7 +210,9 @@ def apply_plan(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
-        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):  # done by the layer-by-layer pass
+            if on_layer is not None:
+                on_layer(name)
             continue
         if isinstance(module, nn.Embedding):
             new = QuantizedEmbedding.from_float(module, scheme, scale_dtype)

@@ -37,6 +37,13 @@ def compute_qparams(
     # 0 must be exactly representable (padding, ReLU zeros), so the range always spans it.
     wmin = wg.amin(dim=-1).clamp(max=0.0)  # (out, G)
     wmax = wg.amax(dim=-1).clamp(min=0.0)
+    return qparams_for_range(wmin, wmax, scheme, scale_dtype)
+
+
+def qparams_for_range(
+    wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) covering ``[wmin, wmax]`` (both (out, G), ``wmin <= 0 <= wmax``)."""
     qrange = scheme.qmax - scheme.qmin  # 15 for int4, 255 for int8
     if scheme.symmetric:
         # Half the signed range (7.5 for int4): +absmax maps to qmax + 0.5, which rounds into

@@ -86,10 +86,7 @@ def _hf_load_in_subprocess(out: Path, tmp_path: Path) -> subprocess.CompletedPro
     )
 
 
-@pytest.mark.parametrize("variant", ["w4-g32-sym", "w4-g64-sym-int8-head", "w8-channel"])
-def test_transformers_loads_artifact_without_optkit(tiny_ckpt, small_calib, tmp_path, variant):
-    out = tmp_path / "art"
-    run_recipe(_recipe(tiny_ckpt, small_calib, out, **VARIANTS[variant]))
+def _assert_transformers_matches_optkit(out: Path, tmp_path: Path) -> None:
     res = _hf_load_in_subprocess(out, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     hf_logits = torch.load(tmp_path / "logits.pt", weights_only=True)
@@ -97,6 +94,13 @@ def test_transformers_loads_artifact_without_optkit(tiny_ckpt, small_calib, tmp_
     with torch.no_grad():
         our_logits = ours(torch.tensor([list(range(3, 40))])).logits
     assert (hf_logits - our_logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("variant", ["w4-g32-sym", "w4-g64-sym-int8-head", "w8-channel"])
+def test_transformers_loads_artifact_without_optkit(tiny_ckpt, small_calib, tmp_path, variant):
+    out = tmp_path / "art"
+    run_recipe(_recipe(tiny_ckpt, small_calib, out, **VARIANTS[variant]))
+    _assert_transformers_matches_optkit(out, tmp_path)
     # and the quantized model is a different model from the float one (the weights really are int)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
@@ -118,13 +122,7 @@ def test_every_method_loads_in_transformers_and_matches_optkit(tiny_ckpt, small_
     recipe = _recipe(tiny_ckpt, small_calib, out, **CALIBRATED[method])
     recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"num_samples": 8})})
     run_recipe(recipe)
-    res = _hf_load_in_subprocess(out, tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    hf_logits = torch.load(tmp_path / "logits.pt", weights_only=True)
-    ours = load_dequantized_model(out)
-    with torch.no_grad():
-        our_logits = ours(torch.tensor([list(range(3, 40))])).logits
-    assert (hf_logits - our_logits).abs().max().item() < 1e-4
+    _assert_transformers_matches_optkit(out, tmp_path)
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     if method.startswith("w8a8"):
         assert cfg["format"] == "int-quantized"

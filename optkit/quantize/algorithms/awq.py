@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optkit.quantize.observers import _qparams_for_range
-from optkit.quantize.primitives import _grouped, dequantize, quantize
+from optkit.quantize.primitives import _grouped, dequantize, qparams_for_range, quantize
 from optkit.quantize.scheme import QuantScheme
 
 
@@ -43,7 +42,7 @@ def _rtn_dequant(w: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype)
     wg = _grouped(w, scheme)
     wmin = wg.amin(-1).clamp(max=0.0)
     wmax = wg.amax(-1).clamp(min=0.0)
-    s, z = _qparams_for_range(wmin, wmax, scheme, scale_dtype)
+    s, z = qparams_for_range(wmin, wmax, scheme, scale_dtype)
     return dequantize(quantize(w, s, z, scheme), s, z, scheme)
 
 
@@ -111,10 +110,10 @@ def search_clip(
         d = wg - deq  # (out, G, g)
         return torch.einsum("ogi,gij,ogj->og", d, Hb, d)
 
-    best_s, best_z = _qparams_for_range(wmin, wmax, scheme, scale_dtype)
+    best_s, best_z = qparams_for_range(wmin, wmax, scheme, scale_dtype)
     best_e = group_err(best_s, best_z)
     for p in torch.linspace(1.0, 1.0 - max_shrink, grid)[1:].tolist():
-        s, z = _qparams_for_range(wmin * p, wmax * p, scheme, scale_dtype)
+        s, z = qparams_for_range(wmin * p, wmax * p, scheme, scale_dtype)
         e = group_err(s, z)
         better = e < best_e
         best_e = torch.where(better, e, best_e)

@@ -124,6 +124,8 @@ def gptq_quantize(
     static = scheme.group_size is None or act_order
     if static:  # all scales from the original weights (per channel: one group = the whole row)
         scale, zero = observer(W, scheme, scale_dtype, importance)
+    scale_f = scale.float()  # float32 copies read column by column in the loop below
+    zero_f = None if zero is None else zero.float()
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f)
     W = W[:, perm]
@@ -146,10 +148,12 @@ def gptq_quantize(
                 imp = None if importance is None else importance[col : col + g]
                 s_, z_ = observer(W1[:, i : i + g], QuantScheme(scheme.bits, g, scheme.symmetric), scale_dtype, imp)
                 scale[:, gi] = s_[:, 0]
+                scale_f[:, gi] = s_[:, 0].float()
                 if zero is not None:
                     zero[:, gi] = z_[:, 0]
-            s = scale[:, gi].float()
-            z = None if zero is None else zero[:, gi].float()
+                    zero_f[:, gi] = z_[:, 0].float()
+            s = scale_f[:, gi]
+            z = None if zero_f is None else zero_f[:, gi]
             w = W1[:, i]
             q, deq = _quantize_column(w, s, z, scheme)
             Q[:, i1 + i] = q
