@@ -20,7 +20,7 @@ from optkit.calibration.resume import ResumeStore
 from optkit.calibration.sequential import SequentialReport, quantize_sequential, resolve_compute_dtype
 from optkit.checkpoint import load_checkpoint
 from optkit.checkpoint.default import DEFAULT_MODEL_NAME
-from optkit.errors import ArtifactError
+from optkit.errors import ArtifactError, QuantizationError
 from optkit.export import ArtifactInfo, write_artifact
 from optkit.progress import Reporter
 from optkit.quantize.mixed import MixedPlan, Option, choose_precisions
@@ -110,10 +110,7 @@ def mean_output_errors(report: SequentialReport) -> dict:
 
 def bits_per_weight(scheme: QuantScheme | None, in_features: int, scale_bits: int = 16) -> float:
     """Stored bits per weight of one Linear: codes, plus scales and zero points per group."""
-    if scheme is None:
-        return 16.0
-    g = scheme.group_size or in_features
-    return scheme.bits + (scale_bits + (0 if scheme.symmetric else scheme.bits)) / g
+    return 16.0 if scheme is None else scheme.bits_per_weight(in_features, scale_bits)
 
 
 def run_fingerprint(recipe: Recipe, source_fingerprint: str, calibration_fingerprint: str, dtype: str) -> str:
@@ -144,6 +141,20 @@ def _mixed_plan(model, plan: LayerPlan, q: QuantizationConfig, input_ids: torch.
     head = output_head_name(model)
     names = [n for n in plan.linears if n not in fixed and n != head]
     measured = {lbl: q.precision_scheme(lbl) for lbl in mp.candidates if lbl != "16bit"}
+    if mp.bits_per_weight is not None:  # fail before minutes of measuring when no plan can fit
+        cheapest = {
+            n: min(bits_per_weight(q.precision_scheme(lbl), modules[n].in_features) for lbl in mp.candidates
+                   if lbl == "16bit" or q.precision_scheme(lbl).fits(modules[n].in_features))
+            for n in names
+        }
+        total = sum(modules[n].weight.numel() for n in names)
+        smallest = sum(modules[n].weight.numel() * b for n, b in cheapest.items()) / total
+        if smallest > mp.bits_per_weight + 1e-9:
+            raise QuantizationError(
+                f"no plan fits {mp.bits_per_weight} bits/weight: the smallest plan needs {smallest:.3f} "
+                f"(closest plan: every layer at its smallest candidate among {', '.join(mp.candidates)})",
+                hint="raise mixed_precision.bits_per_weight, or add a smaller candidate precision",
+            )
     cached = store.get_extra("sensitivity") if store is not None else None
     if cached is not None and set(cached["layers"]) == set(names):
         table = SensitivityTable.from_json(cached)

@@ -46,21 +46,22 @@ class ResumeStore:
         tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
         os.replace(tmp, self.path / STATE)
 
-    def blocks_done(self) -> int:
-        st = self._state()
-        return st["blocks_done"] if st and st.get("fingerprint") == self.fingerprint else 0
-
     def get_extra(self, key: str):
         st = self._state()
         if st and st.get("fingerprint") == self.fingerprint:
             return st.get("extra", {}).get(key)
         return None
 
-    def put_extra(self, key: str, value) -> None:
+    def _own_state(self) -> dict:
+        """This run's state, or a fresh one (a state written for another run is replaced)."""
         self.path.mkdir(parents=True, exist_ok=True)
         st = self._state()
         if not st or st.get("fingerprint") != self.fingerprint:
             st = {"fingerprint": self.fingerprint, "blocks_done": 0, "blocks": {}, "report": {}, "extra": {}}
+        return st
+
+    def put_extra(self, key: str, value) -> None:
+        st = self._own_state()
         st.setdefault("extra", {})[key] = value
         self._write_state(st)
 
@@ -104,10 +105,7 @@ class ResumeStore:
 
     def save(self, i: int, block: nn.Module, prefix: str, inputs: BlockInputs, report,
              float_inputs: BlockInputs | None = None) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        st = self._state()
-        if not st or st.get("fingerprint") != self.fingerprint:
-            st = {"fingerprint": self.fingerprint, "blocks_done": 0, "blocks": {}, "report": {}, "extra": {}}
+        st = self._own_state()
         sd = {k: v.detach().contiguous() for k, v in block.state_dict().items()}
         save_file(sd, str(self.path / f".block-{i}.tmp"))
         os.replace(self.path / f".block-{i}.tmp", self.path / f"block-{i}.safetensors")

@@ -18,6 +18,7 @@ module only moves tensors between them and the model.
 from __future__ import annotations
 
 import copy
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -228,31 +229,36 @@ def quantize_sequential(
     bq = BlockQuantizer(model, q, scale_dtype, report)
     inputs = capture_first_inputs(model, blocks, input_ids, batch_size, offload=offload, compute_dtype=compute_dtype)
     float_inputs = None
-    if q.algorithm == "gptq" and q.gptq.error_correction > 0:
-        # A second stream: what the float model feeds each block (the targets of error correction).
-        float_inputs = BlockInputs(inputs.kwargs, compute_dtype=compute_dtype,
-                                   offload_dir=Path(tempfile.mkdtemp(prefix="optkit-offload-")) if offload else None)
-        for j in range(len(inputs)):
-            float_inputs.set_hidden(j, inputs.hidden(j).clone())
-    start = 0
-    if resume is not None:
-        start = resume.restore(blocks, blocks_name, inputs, report, float_inputs)
-        report.resumed_from = start
-    for i in range(start, len(blocks)):
-        block = blocks[i]
-        prefix = f"{blocks_name}.{i}."
-        local = {n[len(prefix):]: s for n, s in schemes.items() if n.startswith(prefix)}
-        float_block = copy.deepcopy(block) if float_inputs is not None else None
-        if local:
-            bq.quantize_block(i, block, inputs, local, prefix, float_block, float_inputs)
-        if i < len(blocks) - 1:  # the last block's outputs feed nothing
-            inputs = propagate(block, inputs)
-            if float_inputs is not None:
-                float_inputs = propagate(float_block, float_inputs)
-            if resume is not None:
-                resume.save(i, block, prefix, inputs, report, float_inputs)
-        if on_block is not None:
-            on_block(i, len(blocks))
+    try:
+        if q.algorithm == "gptq" and q.gptq.error_correction > 0:
+            # A second stream: what the float model feeds each block (the targets of error correction).
+            float_inputs = BlockInputs(inputs.kwargs, compute_dtype=compute_dtype,
+                                       offload_dir=Path(tempfile.mkdtemp(prefix="optkit-offload-")) if offload else None)
+            for j in range(len(inputs)):
+                float_inputs.set_hidden(j, inputs.hidden(j).clone())
+        start = 0
+        if resume is not None:
+            start = resume.restore(blocks, blocks_name, inputs, report, float_inputs)
+            report.resumed_from = start
+        for i in range(start, len(blocks)):
+            block = blocks[i]
+            prefix = f"{blocks_name}.{i}."
+            local = {n[len(prefix):]: s for n, s in schemes.items() if n.startswith(prefix)}
+            float_block = copy.deepcopy(block) if float_inputs is not None else None
+            if local:
+                bq.quantize_block(i, block, inputs, local, prefix, float_block, float_inputs)
+            if i < len(blocks) - 1:  # the last block's outputs feed nothing
+                inputs = propagate(block, inputs)
+                if float_inputs is not None:
+                    float_inputs = propagate(float_block, float_inputs)
+                if resume is not None:
+                    resume.save(i, block, prefix, inputs, report, float_inputs)
+            if on_block is not None:
+                on_block(i, len(blocks))
+    finally:  # offloaded activations are scratch space: never leave them behind
+        for stream in (inputs, float_inputs):
+            if stream is not None and stream.offload_dir is not None:
+                shutil.rmtree(stream.offload_dir, ignore_errors=True)
     return report
 
 

@@ -60,12 +60,11 @@ class QuantScheme:
         a = "" if self.act_bits is None else f"-a{self.act_bits}"
         return f"int{self.bits}-{g}-{'sym' if self.symmetric else 'asym'}{a}"
 
-    def bits_per_weight(self, scale_bits: int = 16) -> float:
-        """Storage bits per weight including scales (and zero points when asymmetric)."""
-        if self.group_size is None:
-            return float(self.bits)  # one scale per row is negligible next to the row
+    def bits_per_weight(self, in_features: int, scale_bits: int = 16) -> float:
+        """Storage bits per weight of a layer ``in_features`` wide: codes, plus one scale (and
+        zero point when asymmetric) per group; per channel, the group is the whole row."""
         overhead = scale_bits + (0 if self.symmetric else self.bits)
-        return self.bits + overhead / self.group_size
+        return self.bits + overhead / (self.group_size or in_features)
 
     def to_compressed_tensors(self, actorder: bool = False) -> dict:
         """The ``weights`` QuantizationArgs of the compressed-tensors format.

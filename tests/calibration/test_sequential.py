@@ -208,3 +208,17 @@ def test_w8a8_artifact_quantizes_activations_when_read_back(tiny_ckpt, small_cal
         w = q.dequantize()
         assert not torch.allclose(q(x), x @ w.T)  # inputs are quantized...
         assert (q(x) - x @ w.T).abs().max() < 0.05 * (x @ w.T).abs().max()  # ...to int8, per token
+
+
+def test_offloaded_run_matches_in_memory_and_leaves_no_scratch(tiny_ckpt, small_calib, tmp_path):
+    import glob
+    import tempfile
+
+    before = set(glob.glob(f"{tempfile.gettempdir()}/optkit-offload-*"))
+    mem = run_recipe(_recipe(tiny_ckpt, small_calib, tmp_path / "mem", algorithm="gptq"))
+    recipe = _recipe(tiny_ckpt, small_calib, tmp_path / "disk", algorithm="gptq")
+    recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"offload": True})})
+    disk = run_recipe(recipe)
+    assert set(glob.glob(f"{tempfile.gettempdir()}/optkit-offload-*")) == before
+    assert disk.calibrated.layers == mem.calibrated.layers
+    assert (tmp_path / "disk" / "model.safetensors").read_bytes() == (tmp_path / "mem" / "model.safetensors").read_bytes()
