@@ -344,6 +344,74 @@ def verify(artifact: Annotated[Path, typer.Argument(help="Artifact directory.")]
     out_console.print(f"ok: {artifact}: every file matches optkit.json")
 
 
+def _int_list(value: str, name: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        items = ()
+    if not items or any(i <= 0 for i in items):
+        raise UserError(f"--{name} {value!r}: give positive integers separated by commas", hint=f"e.g. --{name} 1,4,16")
+    return items
+
+
+@app.command()
+def bench(
+    model: Annotated[Optional[str], typer.Argument(help="An optkit artifact, a HF checkpoint directory, or 'default'.")] = None,
+    synthetic: Annotated[
+        Optional[str], typer.Option(help="Random weights of a named shape: smollm2-135m, llama-3.2-1b, llama-3-8b, qwen2.5-7b.")
+    ] = None,
+    weights: Annotated[str, typer.Option(help="Synthetic weight format: bf16, w8a16, w4a16 (g128), w4a16-g64, w4a16-g32, w8a8.")] = "w4a16",
+    prompt_lens: Annotated[str, typer.Option(help="Prompt lengths for TTFT, comma-separated.")] = "128,512,2048",
+    batch_sizes: Annotated[str, typer.Option(help="Decode batch sizes, comma-separated.")] = "1,4,16,64",
+    decode_tokens: Annotated[int, typer.Option(help="Tokens generated per request in the decode runs.")] = 64,
+    offline_requests: Annotated[int, typer.Option(help="Requests of mixed lengths in the offline run (0: skip).")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (after warm-up).")] = 3,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up runs per measurement.")] = 1,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
+    dtype: Annotated[DType, typer.Option(help="Compute dtype (auto: bfloat16 where it is fast).")] = DType.auto,
+    kernel: Annotated[str, typer.Option(help="Matmul kernel for quantized layers (auto picks per scheme and device).")] = "auto",
+    kv_cache_memory: Annotated[
+        str, typer.Option(help="KV cache budget: bytes with a unit (2GiB) or a fraction of free memory (0.2).")
+    ] = "0.2",
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's choice).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full result as JSON here.")] = None,
+) -> None:
+    """Measure the runner: TTFT per prompt length, decode tokens/s per batch size, offline
+    throughput, decode bandwidth against the machine's peak, KV and peak memory."""
+    from optkit.serve.bench import BenchSettings, render, run_bench
+    from optkit.serve.engine import EngineConfig, LLMEngine
+    from optkit.serve.loader import load_source
+    from optkit.serve.synthetic import synthetic_source
+
+    if (model is None) == (synthetic is None):
+        raise UserError("give either MODEL or --synthetic NAME (not both)", hint="e.g. optkit bench --synthetic llama-3-8b")
+    settings = BenchSettings(
+        prompt_lens=_int_list(prompt_lens, "prompt-lens"), batch_sizes=_int_list(batch_sizes, "batch-sizes"),
+        decode_tokens=decode_tokens, offline_requests=offline_requests, repeats=repeats, warmup=warmup,
+    )
+    if decode_tokens < 2 or repeats < 1 or warmup < 0 or offline_requests < 0:
+        raise UserError("--decode-tokens must be >= 2, --repeats >= 1, --warmup and --offline-requests >= 0")
+    _quiet_libraries()
+    source = synthetic_source(synthetic, weights) if synthetic else load_source(model)
+    longest = max(max(settings.prompt_lens) + 1, settings.decode_prompt_len + decode_tokens,
+                  settings.offline_prompt_range[1] + settings.offline_output_range[1])
+    cfg = EngineConfig(
+        device=device, dtype=dtype.value, kernel=kernel, kv_cache_memory=kv_cache_memory, block_size=block_size,
+        threads=threads, max_model_len=min(longest, source.config.max_position_embeddings),
+        max_num_batched_tokens=max(2048, max(settings.prompt_lens)),
+    )
+    err_console.print(f"loading {source.path}" + (" (SYNTHETIC random weights: speed only, no quality)" if source.synthetic else ""))
+    engine = LLMEngine(source, cfg)
+    if not engine.native:
+        err_console.print(f"WARNING: {engine.fallback_reason}; measuring the slower transformers fallback")
+    result = run_bench(engine, settings, lambda msg: err_console.print(f"  {msg}"))
+    for table in render(result):
+        out_console.print(table)
+    if json_out is not None:
+        _write_json_atomic(json_out, result)
+
+
 def main() -> None:
     debug = "--debug" in sys.argv[1:]
     try:

@@ -17,11 +17,12 @@ import torch
 from optkit import __version__
 from optkit.calibration import build_calibration
 from optkit.calibration.resume import ResumeStore
-from optkit.calibration.sequential import SequentialReport, quantize_sequential, resolve_compute_dtype
+from optkit.calibration.sequential import SequentialReport, quantize_sequential
 from optkit.checkpoint import load_checkpoint
 from optkit.checkpoint.default import DEFAULT_MODEL_NAME
 from optkit.errors import ArtifactError, QuantizationError
 from optkit.export import ArtifactInfo, write_artifact
+from optkit.hardware import resolve_compute_dtype
 from optkit.progress import Reporter
 from optkit.quantize.mixed import MixedPlan, Option, choose_precisions
 from optkit.quantize.observers import get_observer

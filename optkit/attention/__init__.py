@@ -1,0 +1,1 @@
+"""Attention backends. ``paged``: prefill through SDPA, decode through a paged KV cache."""

@@ -1,0 +1,305 @@
+"""``optkit bench``: per-phase speed and memory of the runner on an artifact or synthetic shape.
+
+Every figure is a median over repeats after warm-up, with its spread (min..max), measured on
+random token ids (speed does not depend on the text; fresh ids per repeat keep the prefix
+cache out of prefill timings):
+- prefill: time to first token (TTFT) and prefill tokens/s for each prompt length;
+- decode: tokens/s summed over a batch, and inter-token latency, per batch size;
+- offline: N requests of mixed prompt/output lengths submitted at once (continuous batching);
+- roofline position of decode: weight bytes read per step x steps/s, next to this machine's
+  measured read bandwidth;
+- host overhead per decode step (everything that is not the model's forward);
+- KV bytes per token, KV budget and the most it held, peak memory.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from optkit.serve.engine import LLMEngine
+from optkit.serve.request import SamplingParams
+
+BENCH_SCHEMA_VERSION = 1
+
+
+@dataclass
+class BenchSettings:
+    prompt_lens: tuple[int, ...] = (128, 512, 2048)
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    decode_tokens: int = 64
+    decode_prompt_len: int = 32
+    offline_requests: int = 64
+    offline_prompt_range: tuple[int, int] = (32, 512)
+    offline_output_range: tuple[int, int] = (16, 128)
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+    probe_bandwidth: bool = True
+
+
+def summarize(values: list[float]) -> dict:
+    """Median and spread of repeated measurements."""
+    med = statistics.median(values)
+    return {
+        "median": med, "min": min(values), "max": max(values), "n": len(values),
+        "spread_pct": 100.0 * (max(values) - min(values)) / med if med else 0.0,
+    }
+
+
+def measure_peak_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Read bandwidth: ``sum()`` over a buffer larger than the last-level cache (1 GiB), the
+    best of ``repeats`` (peak = what the hardware can do, so the best run, not the median)."""
+    n = nbytes // 4
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _sync(device)
+        t = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    del x
+    return {"read_gb_s": nbytes / best / 1e9, "buffer_bytes": nbytes, "method": "max over runs of sum() over a 1 GiB float32 buffer"}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    lo = min(1000, vocab // 2)  # stay clear of special tokens at the start of most vocabularies
+    return [rng.randrange(lo, vocab) for _ in range(n)]
+
+
+def _run_until_done(engine: LLMEngine) -> list[float]:
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def bench_ttft(engine: LLMEngine, length: int, s: BenchSettings, rng: random.Random) -> dict:
+    vocab = engine.source.config.vocab_size
+    times = []
+    for i in range(s.warmup + s.repeats):
+        engine.add_request(_prompt(rng, length, vocab), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        t = time.perf_counter()
+        _run_until_done(engine)
+        if i >= s.warmup:
+            times.append(time.perf_counter() - t)
+    ttft = summarize(times)
+    return {"prompt_tokens": length, "ttft_s": ttft, "prefill_tok_s": summarize([length / x for x in times])}
+
+
+def bench_decode(engine: LLMEngine, batch: int, s: BenchSettings, rng: random.Random) -> dict:
+    vocab = engine.source.config.vocab_size
+    rates, itls, overheads, forwards = [], [], [], []
+    preempt0 = engine.scheduler.num_preemptions
+    for i in range(s.warmup + s.repeats):
+        for _ in range(batch):
+            engine.add_request(
+                _prompt(rng, s.decode_prompt_len, vocab),
+                SamplingParams(max_tokens=s.decode_tokens, temperature=0.0, ignore_eos=True),
+            )
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + list(engine.scheduler.waiting)):
+            engine.step()  # prefill (and the first token) are not decode
+        mark = len(engine.runner.timing.history)
+        steps = _run_until_done(engine)
+        if i >= s.warmup and steps:
+            decoded = sum(1 for _ in steps) * batch
+            rates.append(decoded / sum(steps))
+            itls.extend(steps)
+            hist = engine.runner.timing.history[mark:]
+            forwards.extend(h[1] for h in hist)
+            overheads.extend(st - h[1] for st, h in zip(steps, hist, strict=True))
+    return {
+        "batch": batch,
+        "tok_s": summarize(rates),
+        "itl_ms": {k: v * 1e3 if k in ("median", "min", "max") else v for k, v in summarize(itls).items()}
+        | {"p90": _pct(itls, 90) * 1e3, "p99": _pct(itls, 99) * 1e3},
+        "forward_ms": statistics.median(forwards) * 1e3,
+        "host_overhead_ms": statistics.median(overheads) * 1e3,
+        "preemptions": engine.scheduler.num_preemptions - preempt0,
+    }
+
+
+def _pct(values: list[float], p: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+
+
+def bench_offline(engine: LLMEngine, s: BenchSettings, rng: random.Random) -> dict:
+    vocab = engine.source.config.vocab_size
+    results = []
+    for i in range(s.warmup + s.repeats):
+        n_prompt = n_out = 0
+        for _ in range(s.offline_requests):
+            p = rng.randint(*s.offline_prompt_range)
+            o = rng.randint(*s.offline_output_range)
+            n_prompt, n_out = n_prompt + p, n_out + o
+            engine.add_request(_prompt(rng, p, vocab), SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
+        t = time.perf_counter()
+        _run_until_done(engine)
+        dt = time.perf_counter() - t
+        if i >= s.warmup:
+            results.append((dt, n_prompt, n_out))
+    return {
+        "requests": s.offline_requests,
+        "prompt_range": list(s.offline_prompt_range),
+        "output_range": list(s.offline_output_range),
+        "output_tok_s": summarize([o / dt for dt, _, o in results]),
+        "total_tok_s": summarize([(p + o) / dt for dt, p, o in results]),
+        "wall_s": summarize([dt for dt, _, _ in results]),
+    }
+
+
+def hardware() -> dict:
+    info = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def run_bench(engine: LLMEngine, s: BenchSettings, progress: Callable[[str], None] = lambda _: None) -> dict:
+    rng = random.Random(s.seed)
+    dev = engine.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    out: dict = {
+        "schema_version": BENCH_SCHEMA_VERSION,
+        "model": engine.source.path,
+        "synthetic_weights": engine.source.synthetic,
+        "weights": engine.source.schemes or {"float": 1},
+        "engine": "native" if engine.native else "transformers-fallback",
+        "fallback_reason": engine.fallback_reason,
+        "config": asdict(engine.config) | {"dtype_resolved": str(engine.dtype).removeprefix("torch."),
+                                           "max_model_len": engine.max_model_len},
+        "settings": asdict(s),
+        "hardware": hardware(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if engine.native:
+        out["kernels"] = engine.model.kernel_names()
+        out["slow_paths"] = engine.model.slow_paths()
+        out["weight_bytes_per_step"] = engine.model.weight_bytes_per_step()
+    out["kv"] = {"bytes_per_token": engine.kv_bytes_per_token, "budget_bytes": engine.kv_budget_bytes,
+                 "block_size": engine.config.block_size, "num_blocks": engine.kv.num_blocks}
+    peak_used = [0]
+    step = engine.step
+
+    def counting_step():  # tracks the most KV blocks ever in use (checked against the budget)
+        r = step()
+        peak_used[0] = max(peak_used[0], engine.kv.num_blocks - engine.kv.num_free_blocks)
+        return r
+
+    engine.step = counting_step  # type: ignore[method-assign]
+    try:
+        out["prefill"] = []
+        for n in s.prompt_lens:
+            if n + 1 > engine.max_model_len:
+                continue
+            progress(f"prefill {n} tokens")
+            out["prefill"].append(bench_ttft(engine, n, s, rng))
+        out["decode"] = []
+        for b in s.batch_sizes:
+            progress(f"decode batch {b}")
+            out["decode"].append(bench_decode(engine, b, s, rng))
+        if s.offline_requests:
+            progress(f"offline {s.offline_requests} requests")
+            out["offline"] = bench_offline(engine, s, rng)
+    finally:
+        del engine.step
+    kv_bytes_block = engine.kv_bytes_per_token * engine.config.block_size
+    out["kv"]["peak_blocks_used"] = peak_used[0]
+    out["kv"]["peak_bytes_used"] = peak_used[0] * kv_bytes_block
+    out["kv"]["allocated_bytes"] = engine.cache.nbytes if engine.cache is not None else None
+    if s.probe_bandwidth:
+        progress("peak bandwidth probe")
+        out["machine"] = measure_peak_bandwidth(dev)
+    b1 = next((d for d in out["decode"] if d["batch"] == 1), None)
+    if b1 and engine.native:
+        achieved = out["weight_bytes_per_step"] * b1["tok_s"]["median"] / 1e9
+        out["decode_bandwidth"] = {
+            "achieved_gb_s": achieved,
+            "method": "weight bytes read per decode step x steps/s at batch 1",
+            "fraction_of_peak": achieved / out["machine"]["read_gb_s"] if "machine" in out else None,
+        }
+    out["memory"] = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if dev.type == "cuda":
+        out["memory"]["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(dev)
+    return out
+
+
+def render(result: dict) -> list:
+    """Rich tables for the terminal."""
+    from rich.table import Table
+
+    def f(d: dict, scale: float = 1.0, digits: int = 1) -> str:
+        return f"{d['median'] * scale:.{digits}f} ({d['min'] * scale:.{digits}f}..{d['max'] * scale:.{digits}f})"
+
+    title = result["model"] + ("  [SYNTHETIC WEIGHTS]" if result["synthetic_weights"] else "")
+    if result["engine"] != "native":
+        title += f"  [transformers fallback: {result['fallback_reason']}]"
+    tables = []
+    t = Table(title=f"prefill - {title}")
+    for c in ("prompt tokens", "TTFT ms", "prefill tok/s"):
+        t.add_column(c, justify="right")
+    for p in result["prefill"]:
+        t.add_row(str(p["prompt_tokens"]), f(p["ttft_s"], 1e3), f(p["prefill_tok_s"], 1.0, 0))
+    tables.append(t)
+    t = Table(title="decode")
+    for c in ("batch", "tok/s", "ITL p50 ms", "ITL p99 ms", "forward ms", "host ms/step", "preempt"):
+        t.add_column(c, justify="right")
+    for d in result["decode"]:
+        t.add_row(str(d["batch"]), f(d["tok_s"]), f"{d['itl_ms']['median']:.2f}", f"{d['itl_ms']['p99']:.2f}",
+                  f"{d['forward_ms']:.2f}", f"{d['host_overhead_ms']:.2f}", str(d["preemptions"]))
+    tables.append(t)
+    t = Table(title="offline, memory, roofline")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    if "offline" in result:
+        o = result["offline"]
+        t.add_row(f"offline {o['requests']} req: output tok/s", f(o["output_tok_s"]))
+        t.add_row("offline: total tok/s", f(o["total_tok_s"]))
+    if "decode_bandwidth" in result:
+        db = result["decode_bandwidth"]
+        t.add_row("decode b1 weight bandwidth GB/s", f"{db['achieved_gb_s']:.1f}")
+        if db["fraction_of_peak"] is not None:
+            t.add_row("machine read bandwidth GB/s (probe)", f"{result['machine']['read_gb_s']:.1f}")
+            t.add_row("fraction of peak", f"{100 * db['fraction_of_peak']:.0f} %")
+    if "weight_bytes_per_step" in result:
+        t.add_row("weight bytes / decode step", f"{result['weight_bytes_per_step'] / 1e6:.1f} MB")
+    kv = result["kv"]
+    t.add_row("KV bytes / token", f"{kv['bytes_per_token']}")
+    t.add_row("KV budget / peak used", f"{kv['budget_bytes'] / 1e6:.0f} MB / {kv['peak_bytes_used'] / 1e6:.1f} MB")
+    t.add_row("peak RSS", f"{result['memory']['peak_rss_bytes'] / 1e6:.0f} MB")
+    if "peak_cuda_bytes" in result["memory"]:
+        t.add_row("peak CUDA memory", f"{result['memory']['peak_cuda_bytes'] / 1e6:.0f} MB")
+    if result.get("kernels"):
+        t.add_row("kernels", ", ".join(f"{k} x{v}" for k, v in result["kernels"].items()))
+    tables.append(t)
+    return tables
+
+
+__all__ = ["BenchSettings", "run_bench", "render", "measure_peak_bandwidth", "summarize"]
