@@ -1,6 +1,6 @@
 """The runner against transformers on the embedded SmolLM2-135M-Instruct, in one run.
 
-    .venv/bin/python benchmarks/runner.py [--artifact DIR] [--repeats 5] [--json PATH]
+    .venv/bin/python benchmarks/runner.py [--artifact DIR] [--repeats 5] [--json PATH] [--no-compile]
 
 Without ``--artifact`` it quantizes the default model to W4A16 g64 (RTN, 16-bit head) in a
 temporary directory first. Then, on 2 torch threads, alternating repeats so drift hits both:
@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument("--artifact", type=Path)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-compile", action="store_true", help="measure the eager decode step")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     from transformers import AutoModelForCausalLM
@@ -110,8 +111,9 @@ def main() -> int:
     hf16 = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
     budget = 256 << 20
     engine = LLMEngine.from_pretrained(str(artifact), EngineConfig(
-        device="cpu", kv_cache_memory=budget, max_model_len=2048, max_num_seqs=64, threads=THREADS))
-    console.print(f"runner kernels: {engine.model.kernel_names()}  dtype {engine.dtype}")
+        device="cpu", kv_cache_memory=budget, max_model_len=2048, max_num_seqs=64, threads=THREADS, compile=not args.no_compile))
+    console.print(f"runner kernels: {engine.model.kernel_names()}  dtype {engine.dtype}; compiling the decode step ...")
+    console.print(f"warm-up {engine.warmup():.0f} s")
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     peak_blocks = [0]
     step = engine.step

@@ -375,6 +375,11 @@ def bench(
     ] = "0.2",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's choice).")] = None,
+    compile_decode: Annotated[
+        bool,
+        typer.Option("--compile/--no-compile", help="Compile the decode step with torch.compile (faster; a minute of warm-up)."),
+    ] = True,
+    cuda_graphs: Annotated[bool, typer.Option(help="With --compile on a GPU: capture CUDA graphs (mode reduce-overhead).")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full result as JSON here.")] = None,
 ) -> None:
     """Measure the runner: TTFT per prompt length, decode tokens/s per batch size, offline
@@ -398,7 +403,7 @@ def bench(
                   settings.offline_prompt_range[1] + settings.offline_output_range[1])
     cfg = EngineConfig(
         device=device, dtype=dtype.value, kernel=kernel, kv_cache_memory=kv_cache_memory, block_size=block_size,
-        threads=threads, max_model_len=min(longest, source.config.max_position_embeddings),
+        threads=threads, compile=compile_decode, compile_mode="reduce-overhead" if cuda_graphs else None, max_model_len=min(longest, source.config.max_position_embeddings),
         max_num_batched_tokens=max(2048, max(settings.prompt_lens)),
     )
     err_console.print(f"loading {source.path}" + (" (SYNTHETIC random weights: speed only, no quality)" if source.synthetic else ""))

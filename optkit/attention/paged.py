@@ -12,6 +12,7 @@ chunk is one SDPA call (the causal fast path when nothing is cached before it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,20 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost no memory until written, on CPU: ``calloc`` (numpy) maps zero pages
+    lazily, where ``torch.zeros`` writes every byte up front. So resident memory grows with the
+    blocks actually used, and the budget is an upper bound, not an up-front cost. Zeros, not
+    ``empty``: masked-out slots are still multiplied by a zero weight, and garbage bits could
+    be NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class PagedKVCache:
     """The KV tensors of every layer: ``(num_blocks, block_size, H_kv, D)`` each for K and V."""
 
@@ -59,8 +74,8 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -78,9 +93,14 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     sliding_window: int | None = None,
+    static_decode: bool = False,
 ) -> AttentionMetadata:
     """Metadata for a flat batch: ``decodes`` first, one row each, as ``(context_len, block_ids)``
-    where ``context_len`` counts the new token; then ``prefills`` as ``(start, n, block_ids)``."""
+    where ``context_len`` counts the new token; then ``prefills`` as ``(start, n, block_ids)``.
+
+    ``static_decode``: always describe decodes by tensor shapes (a padded block table and a
+    mask, at least 2 blocks wide), never by a Python int, so a compiled decode step sees one
+    dynamic shape instead of recompiling for every context length."""
     slots: list[int] = []
     for ctx, blocks in decodes:
         p = ctx - 1
@@ -97,12 +117,14 @@ def build_metadata(
     length = 0
     if decodes:
         max_blocks = max(-(-ctx // block_size) for ctx, _ in decodes)
+        if static_decode:
+            max_blocks = max(max_blocks, 2)  # size-1 dims get specialised by the compiler
         table = torch.tensor(
             [blocks[:max_blocks] + [0] * (max_blocks - len(blocks[:max_blocks])) for _, blocks in decodes],
             dtype=torch.int64, device=device,
         )
         ctx_lens = [ctx for ctx, _ in decodes]
-        if len(decodes) == 1 and sliding_window is None:
+        if len(decodes) == 1 and sliding_window is None and not static_decode:
             length = ctx_lens[0]  # gather exactly the context: no mask needed
         else:
             length = max_blocks * block_size

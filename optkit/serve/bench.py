@@ -205,6 +205,10 @@ def run_bench(engine: LLMEngine, s: BenchSettings, progress: Callable[[str], Non
         out["weight_bytes_per_step"] = engine.model.weight_bytes_per_step()
     out["kv"] = {"bytes_per_token": engine.kv_bytes_per_token, "budget_bytes": engine.kv_budget_bytes,
                  "block_size": engine.config.block_size, "num_blocks": engine.kv.num_blocks}
+    out["compile"] = {"enabled": bool(engine.native and engine.model.compiled)}
+    if out["compile"]["enabled"]:
+        progress("compiling the decode step (warm-up)")
+        out["compile"]["warmup_s"] = engine.warmup()
     peak_used = [0]
     step = engine.step
 
@@ -296,6 +300,8 @@ def render(result: dict) -> list:
     t.add_row("peak RSS", f"{result['memory']['peak_rss_bytes'] / 1e6:.0f} MB")
     if "peak_cuda_bytes" in result["memory"]:
         t.add_row("peak CUDA memory", f"{result['memory']['peak_cuda_bytes'] / 1e6:.0f} MB")
+    if result["compile"]["enabled"]:
+        t.add_row("decode step compiled (warm-up)", f"yes ({result['compile']['warmup_s']:.0f} s)")
     if result.get("kernels"):
         t.add_row("kernels", ", ".join(f"{k} x{v}" for k, v in result["kernels"].items()))
     tables.append(t)

@@ -91,6 +91,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kernel: str = "auto"
     threads: int | None = None
+    compile: bool = False  # compile the decode step (torch.compile); see LlamaExecutor.enable_compile
+    compile_mode: str | None = None  # e.g. "reduce-overhead" for CUDA graphs on a GPU
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -147,6 +149,8 @@ class LLMEngine:
         if self.native:
             self.model = LlamaExecutor(source.config, source.weights, self.device, self.dtype, config.kernel, max_len)
             self.cache = PagedKVCache(spec_layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
+            if config.compile:
+                self.model.enable_compile(config.compile_mode)
             self.runner: Any = ModelRunner(self.model, self.cache, self.sampler)
             caching = config.enable_prefix_caching
             slow = self.model.slow_paths()
@@ -287,6 +291,19 @@ class LLMEngine:
                 if o.finished:
                     final[o.request_id] = o
         return [final[i] for i in ids]
+
+    def warmup(self) -> float:
+        """Run a few throw-away decode steps at batch 1 and 2 so that compilation (when enabled)
+        happens now, not inside the first user request. Returns the seconds it took."""
+        t = time.perf_counter()
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        for batch in (1, 2):
+            ids = [self.add_request([1 + i] * (self.config.block_size + 2), greedy, f"__warmup-{batch}-{i}") for i in range(batch)]
+            while any(r in self._requests for r in ids):
+                self.step()
+        self.kv.reset_prefix_cache()
+        self.kv.reset_stats()
+        return time.perf_counter() - t
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -73,7 +73,7 @@ class ModelRunner:
         meta = build_metadata(
             [(s.start + 1, s.block_ids) for s in decodes],
             [(s.start, s.num_tokens, s.block_ids) for s in prefills],
-            self.block_size, self.device, self.model.spec.sliding_window,
+            self.block_size, self.device, self.model.spec.sliding_window, static_decode=self.model.compiled,
         )
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)

@@ -199,3 +199,14 @@ def test_kv_budget_is_respected_and_unusable_budget_is_an_error(llama, tok):
         _engine(llama, tok, kv_cache_memory=100)
     with pytest.raises(UserError, match="not understood"):
         _engine(llama, tok, kv_cache_memory="lots")
+
+
+def test_compiled_decode_step_gives_eager_tokens(llama, tok):
+    prompts = _prompts(3, len(tok), seed=9, lo=3, hi=40)
+    eager = [o.token_ids for o in _engine(llama, tok).generate(prompts, GREEDY)]
+    eng = _engine(llama, tok, compile=True)
+    assert eng.model.compiled
+    eng.warmup()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks  # the warm-up leaves nothing behind
+    assert [o.token_ids for o in eng.generate(prompts[:1], GREEDY)] == eager[:1]  # batch 1 graph
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == eager  # batch >= 2 graph
