@@ -53,3 +53,20 @@ def small_calib(tmp_path) -> Path:
     words = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex junk".split()
     p.write_text(" ".join(words[(i * 7) % len(words)] for i in range(3000)))
     return p
+
+
+@pytest.fixture(scope="session")
+def default_cache(tmp_path_factory):
+    """One converted copy of the embedded model for every real-model test of the session."""
+    try:
+        from optkit.checkpoint.default import find_default_gguf
+
+        find_default_gguf()
+    except Exception as err:  # noqa: BLE001
+        pytest.skip(f"embedded model unavailable: {err}")
+    return tmp_path_factory.mktemp("optkit-cache")
+
+
+@pytest.fixture
+def real_env(default_cache, monkeypatch):
+    monkeypatch.setenv("OPTKIT_CACHE", str(default_cache))

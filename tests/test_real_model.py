@@ -21,22 +21,6 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="session")
-def default_cache(tmp_path_factory):
-    try:
-        from optkit.checkpoint.default import find_default_gguf
-
-        find_default_gguf()
-    except Exception as err:  # noqa: BLE001
-        pytest.skip(f"embedded model unavailable: {err}")
-    return tmp_path_factory.mktemp("optkit-cache")
-
-
-@pytest.fixture
-def real_env(default_cache, monkeypatch):
-    monkeypatch.setenv("OPTKIT_CACHE", str(default_cache))
-
-
 _HF = textwrap.dedent(
     """
     import sys, torch
