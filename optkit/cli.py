@@ -403,7 +403,8 @@ def bench(
                   settings.offline_prompt_range[1] + settings.offline_output_range[1])
     cfg = EngineConfig(
         device=device, dtype=dtype.value, kernel=kernel, kv_cache_memory=kv_cache_memory, block_size=block_size,
-        threads=threads, compile=compile_decode, compile_mode="reduce-overhead" if cuda_graphs else None, max_model_len=min(longest, source.config.max_position_embeddings),
+        threads=threads, compile=compile_decode, compile_mode="reduce-overhead" if cuda_graphs else None,
+        max_model_len=min(longest, source.config.max_position_embeddings),
         max_num_batched_tokens=max(2048, max(settings.prompt_lens)),
     )
     err_console.print(f"loading {source.path}" + (" (SYNTHETIC random weights: speed only, no quality)" if source.synthetic else ""))

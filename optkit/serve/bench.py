@@ -206,9 +206,8 @@ def run_bench(engine: LLMEngine, s: BenchSettings, progress: Callable[[str], Non
     out["kv"] = {"bytes_per_token": engine.kv_bytes_per_token, "budget_bytes": engine.kv_budget_bytes,
                  "block_size": engine.config.block_size, "num_blocks": engine.kv.num_blocks}
     out["compile"] = {"enabled": bool(engine.native and engine.model.compiled)}
-    if out["compile"]["enabled"]:
-        progress("compiling the decode step (warm-up)")
-        out["compile"]["warmup_s"] = engine.warmup()
+    progress("warm-up" + (" (compiling the decode step)" if out["compile"]["enabled"] else ""))
+    out["compile"]["warmup_s"] = engine.warmup()
     peak_used = [0]
     step = engine.step
 
@@ -300,8 +299,7 @@ def render(result: dict) -> list:
     t.add_row("peak RSS", f"{result['memory']['peak_rss_bytes'] / 1e6:.0f} MB")
     if "peak_cuda_bytes" in result["memory"]:
         t.add_row("peak CUDA memory", f"{result['memory']['peak_cuda_bytes'] / 1e6:.0f} MB")
-    if result["compile"]["enabled"]:
-        t.add_row("decode step compiled (warm-up)", f"yes ({result['compile']['warmup_s']:.0f} s)")
+    t.add_row("decode step compiled", f"{'yes' if result['compile']['enabled'] else 'no'} (warm-up {result['compile']['warmup_s']:.0f} s)")
     if result.get("kernels"):
         t.add_row("kernels", ", ".join(f"{k} x{v}" for k, v in result["kernels"].items()))
     tables.append(t)

@@ -293,12 +293,15 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def warmup(self) -> float:
-        """Run a few throw-away decode steps at batch 1 and 2 so that compilation (when enabled)
-        happens now, not inside the first user request. Returns the seconds it took."""
+        """Run throw-away requests (a 96-token prefill, decodes at batch 1 and 2) so that
+        compilation happens now, not inside the first user request: the decode graphs when
+        ``compile`` is on, and the kernels' compiled weight rebuild for large batches (always).
+        Returns the seconds it took."""
         t = time.perf_counter()
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        for batch in (1, 2):
-            ids = [self.add_request([1 + i] * (self.config.block_size + 2), greedy, f"__warmup-{batch}-{i}") for i in range(batch)]
+        long = min(96, self.max_model_len - 8)
+        for batch, length in ((1, long), (1, self.config.block_size + 2), (2, self.config.block_size + 2)):
+            ids = [self.add_request([1 + i] * length, greedy, f"__warmup-{batch}-{length}-{i}") for i in range(batch)]
             while any(r in self._requests for r in ids):
                 self.step()
         self.kv.reset_prefix_cache()
