@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ class AttentionMetadata:
     ``decode_mask`` (B_d, 1, 1, L) bool, True where a key position is visible, or None when a
     single decode covers exactly its context (then no mask is needed).
     ``decode_len``: L, the number of key positions gathered for decodes.
+    ``decode_backend``: how decodes read the cache: "gather-sdpa" (above), or "flex" /
+    "flash-attn" (``optkit.attention.flex``: the block table read in place, no gather), which use
+    ``decode_context_lens`` (B_d,) int64 and ``decode_plan``, the backend's per-step tensors.
     """
 
     slot_mapping: torch.Tensor
@@ -48,6 +52,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     decode_len: int
     prefills: list[PrefillChunk]
+    # --- decode backend hook (optkit.attention.flex) ---
+    decode_backend: str = "gather-sdpa"
+    decode_context_lens: torch.Tensor | None = None
+    decode_plan: Any = None
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -94,13 +102,18 @@ def build_metadata(
     device: torch.device,
     sliding_window: int | None = None,
     static_decode: bool = False,
+    decode_backend: str = "gather-sdpa",
+    num_blocks: int | None = None,
 ) -> AttentionMetadata:
     """Metadata for a flat batch: ``decodes`` first, one row each, as ``(context_len, block_ids)``
     where ``context_len`` counts the new token; then ``prefills`` as ``(start, n, block_ids)``.
 
     ``static_decode``: always describe decodes by tensor shapes (a padded block table and a
     mask, at least 2 blocks wide), never by a Python int, so a compiled decode step sees one
-    dynamic shape instead of recompiling for every context length."""
+    dynamic shape instead of recompiling for every context length.
+
+    ``decode_backend``: see ``AttentionMetadata``; "flex" also needs ``num_blocks``, the cache's
+    block count (its block mask spans the whole cache)."""
     slots: list[int] = []
     for ctx, blocks in decodes:
         p = ctx - 1
@@ -134,9 +147,19 @@ def build_metadata(
             if sliding_window is not None:  # the new token at ctx-1 sees keys > ctx-1-window
                 visible &= pos[None, :] >= lens - sliding_window
             mask = visible[:, None, None, :]  # (B_d, 1, 1, L)
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         torch.tensor(slots, dtype=torch.int64, device=device), len(decodes), table, mask, length, chunks
     )
+    if decode_backend != "gather-sdpa":  # --- decode backend hook (optkit.attention.flex) ---
+        from optkit.attention.flex import check_decode_backend, plan_decode
+
+        meta.decode_backend = check_decode_backend(decode_backend)
+        if decodes:
+            meta.decode_context_lens = torch.tensor([ctx for ctx, _ in decodes], dtype=torch.int64, device=device)
+            meta.decode_plan = plan_decode(
+                decode_backend, table, meta.decode_context_lens, block_size, sliding_window, num_blocks
+            )
+    return meta
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -159,13 +182,22 @@ def paged_attention(
     k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
     nd = meta.num_decodes
-    if nd == T and meta.decode_mask is None:  # one decode, nothing else: no output buffer needed
+    od_hook = None
+    if nd and meta.decode_backend != "gather-sdpa":  # --- decode backend hook (optkit.attention.flex) ---
+        from optkit.attention.flex import decode_attention
+
+        od_hook = decode_attention(q[:nd], k_cache, v_cache, meta, scale, sliding_window)  # (B_d, H_q, D)
+        if nd == T:
+            return od_hook.reshape(T, Hq * D)
+    elif nd == T and meta.decode_mask is None:  # one decode, nothing else: no output buffer needed
         kd = _gather(k_cache, meta.decode_block_table, meta.decode_len)  # (1, H_kv, L, D)
         vd = _gather(v_cache, meta.decode_block_table, meta.decode_len)
         od = F.scaled_dot_product_attention(q.view(1, Hkv, group, D), kd, vd, scale=scale)
         return od.reshape(T, Hq * D)
     out = torch.empty_like(q)
-    if nd:
+    if od_hook is not None:
+        out[:nd] = od_hook
+    elif nd:
         # GQA without repeating K/V: the G query heads of a KV head become G "query positions".
         qd = q[:nd].view(nd, Hkv, group, D)  # (B_d, H_kv, G, D)
         kd = _gather(k_cache, meta.decode_block_table, meta.decode_len)  # (B_d, H_kv, L, D)

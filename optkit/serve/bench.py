@@ -199,6 +199,7 @@ def run_bench(engine: LLMEngine, s: BenchSettings, progress: Callable[[str], Non
         "hardware": hardware(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    out["decode_attention"] = {"backend": engine.decode_attention, "reason": engine.decode_attention_reason}
     if engine.native:
         out["kernels"] = engine.model.kernel_names()
         out["slow_paths"] = engine.model.slow_paths()
@@ -300,6 +301,7 @@ def render(result: dict) -> list:
     if "peak_cuda_bytes" in result["memory"]:
         t.add_row("peak CUDA memory", f"{result['memory']['peak_cuda_bytes'] / 1e6:.0f} MB")
     t.add_row("decode step compiled", f"{'yes' if result['compile']['enabled'] else 'no'} (warm-up {result['compile']['warmup_s']:.0f} s)")
+    t.add_row("decode attention", result["decode_attention"]["backend"])
     if result.get("kernels"):
         t.add_row("kernels", ", ".join(f"{k} x{v}" for k, v in result["kernels"].items()))
     tables.append(t)

@@ -64,6 +64,22 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def _decode_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    """The paged decode-attention kernel: ``auto`` asks what this device can run; an explicit
+    name that cannot run is an error naming why."""
+    from optkit.attention.flex import DECODE_BACKENDS, _flash_attn_refusal, select_decode_backend
+
+    if config.decode_attention == "auto":
+        return select_decode_backend(device, dtype, head_dim, config.block_size)
+    if config.decode_attention not in DECODE_BACKENDS:
+        raise UserError(f"decode attention {config.decode_attention!r} is unknown", hint=f"one of: auto, {', '.join(DECODE_BACKENDS)}")
+    if config.decode_attention == "flash-attn":
+        why = _flash_attn_refusal(device, dtype, head_dim, config.block_size)
+        if why is not None:
+            raise UserError(f"decode attention 'flash-attn' cannot run here: {why}", hint="use auto, flex or gather-sdpa")
+    return config.decode_attention, "chosen explicitly"
+
+
 class _NoText:
     """Stands in for the detokenizer when a model has no tokenizer (synthetic weights)."""
 
@@ -93,6 +109,7 @@ class EngineConfig:
     threads: int | None = None
     compile: bool = False  # compile the decode step (torch.compile); see LlamaExecutor.enable_compile
     compile_mode: str | None = None  # e.g. "reduce-overhead" for CUDA graphs on a GPU
+    decode_attention: str = "auto"  # auto | gather-sdpa | flex | flash-attn (see optkit.attention.flex)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -151,7 +168,8 @@ class LLMEngine:
             self.cache = PagedKVCache(spec_layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
             if config.compile:
                 self.model.enable_compile(config.compile_mode)
-            self.runner: Any = ModelRunner(self.model, self.cache, self.sampler)
+            self.decode_attention, self.decode_attention_reason = _decode_backend(config, self.device, self.dtype, head_dim)
+            self.runner: Any = ModelRunner(self.model, self.cache, self.sampler, decode_backend=self.decode_attention)
             caching = config.enable_prefix_caching
             slow = self.model.slow_paths()
             self.fallback_reason = None
@@ -167,6 +185,7 @@ class LLMEngine:
             )
             self.model = None
             self.cache = None
+            self.decode_attention, self.decode_attention_reason = "transformers", "the fallback runs the model's own attention"
             self.runner = TransformersRunner(source, self.device, self.dtype, self.sampler)
             caching = False
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=caching)

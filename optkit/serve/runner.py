@@ -31,7 +31,11 @@ class StepTiming:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaExecutor, cache: PagedKVCache, sampler: Sampler, record_timing: bool = True):
+    def __init__(
+        self, model: LlamaExecutor, cache: PagedKVCache, sampler: Sampler, record_timing: bool = True,
+        decode_backend: str = "gather-sdpa",
+    ):
+        self.decode_backend = decode_backend
         self.model = model
         self.cache = cache
         self.sampler = sampler
@@ -74,6 +78,7 @@ class ModelRunner:
             [(s.start + 1, s.block_ids) for s in decodes],
             [(s.start, s.num_tokens, s.block_ids) for s in prefills],
             self.block_size, self.device, self.model.spec.sliding_window, static_decode=self.model.compiled,
+            decode_backend=self.decode_backend, num_blocks=self.cache.num_blocks,
         )
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)

@@ -210,3 +210,16 @@ def test_compiled_decode_step_gives_eager_tokens(llama, tok):
     assert eng.kv.num_free_blocks == eng.kv.num_blocks  # the warm-up leaves nothing behind
     assert [o.token_ids for o in eng.generate(prompts[:1], GREEDY)] == eager[:1]  # batch 1 graph
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == eager  # batch >= 2 graph
+
+
+def test_decode_attention_backends_give_the_same_tokens(llama, tok):
+    prompts = _prompts(3, len(tok), seed=10, lo=3, hi=40)
+    auto = _engine(llama, tok)
+    assert auto.decode_attention == "gather-sdpa"  # CPU: the gather measured fastest
+    ref = [o.token_ids for o in auto.generate(prompts, GREEDY)]
+    flex = _engine(llama, tok, decode_attention="flex")
+    assert [o.token_ids for o in flex.generate(prompts, GREEDY)] == ref
+    with pytest.raises(UserError, match="flash-attn.*cannot run here"):
+        _engine(llama, tok, decode_attention="flash-attn")
+    with pytest.raises(UserError, match="unknown"):
+        _engine(llama, tok, decode_attention="paged-magic")
