@@ -114,6 +114,9 @@ def main() -> int:
         device="cpu", kv_cache_memory=budget, max_model_len=2048, max_num_seqs=64, threads=THREADS, compile=not args.no_compile))
     console.print(f"runner kernels: {engine.model.kernel_names()}  dtype {engine.dtype}; compiling the decode step ...")
     console.print(f"warm-up {engine.warmup():.0f} s")
+    eager = LLMEngine.from_pretrained(str(artifact), EngineConfig(
+        device="cpu", kv_cache_memory=budget, max_model_len=2048, threads=THREADS, compile=False))
+    eager.warmup()
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     peak_blocks = [0]
     step = engine.step
@@ -125,7 +128,7 @@ def main() -> int:
 
     engine.step = counting_step
     res = {k: [] for k in ("hf32_decode", "hf16_decode", "hf32_ttft512", "hf16_ttft512", "our_decode", "our_ttft512",
-                           "our_agg32", "cold1000", "hit1000")}
+                           "our_agg32", "cold1000", "hit1000", "eager_decode")}
     # warm-up (untimed): one of each
     hf_decode(hf32, prompt(32), 8, [])
     hf_decode(hf16, prompt(32), 8, [])
@@ -139,6 +142,8 @@ def main() -> int:
         hf_ttft(hf16, prompt(512), res["hf16_ttft512"])
         steps = engine_run(engine, [prompt(32)], greedy(64))
         res["our_decode"].append(63 / sum(steps[1:]))  # steps[0] is the prefill + first token
+        steps = engine_run(eager, [prompt(32)], greedy(64))
+        res["eager_decode"].append(63 / sum(steps[1:]))
         t = time.perf_counter()
         engine_run(engine, [prompt(512)], greedy(1))
         res["our_ttft512"].append(time.perf_counter() - t)
@@ -155,13 +160,15 @@ def main() -> int:
     allocated = engine.cache.nbytes
     peak_bytes = peak_blocks[0] * engine.kv_bytes_per_token * engine.config.block_size
     d32, d16, ours = med(res["hf32_decode"]), med(res["hf16_decode"]), med(res["our_decode"])
-    table = Table(title=f"runner vs transformers on SmolLM2-135M ({THREADS} threads, {args.repeats} repeats; median (min..max))")
+    table = Table(show_lines=False, title=f"runner vs transformers on SmolLM2-135M ({THREADS} threads, {args.repeats} repeats; median (min..max))")
     for c in ("measure", "value", "ratio / target"):
         table.add_column(c)
     table.add_row("transformers generate fp32: decode tok/s (b1)", spread(res["hf32_decode"]), "baseline")
     table.add_row("transformers generate bf16: decode tok/s (b1)", spread(res["hf16_decode"]), f"{d16 / d32:.2f}x fp32")
     table.add_row("runner W4: decode tok/s (b1)", spread(res["our_decode"]),
                   f"{ours / d32:.1f}x hf fp32 (target >= 8x); {ours / LLAMA_CPP_DECODE:.2f}x llama.cpp's quoted {LLAMA_CPP_DECODE:.0f}")
+    table.add_row("runner W4, eager decode step: decode tok/s (b1)", spread(res["eager_decode"]),
+                  f"compiled step is {ours / med(res['eager_decode']):.2f}x faster")
     table.add_row("transformers fp32: TTFT 512 ms", spread([x * 1e3 for x in res["hf32_ttft512"]]), "")
     table.add_row("transformers bf16: TTFT 512 ms", spread([x * 1e3 for x in res["hf16_ttft512"]]), "baseline")
     table.add_row("runner W4: TTFT 512 ms", spread([x * 1e3 for x in res["our_ttft512"]]),
