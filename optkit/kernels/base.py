@@ -126,3 +126,24 @@ def common_reason(
 
 def bias_buffer(bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
     return None if bias is None else bias.detach().to(device=device, dtype=dtype).contiguous()
+
+
+def per_channel_reason(scheme: QuantScheme, why: str = "one scale per row, no zero point") -> str | None:
+    """Why a per-channel symmetric kernel cannot take ``scheme``, or None."""
+    if scheme.group_size is not None or not scheme.symmetric:
+        return f"takes per-channel symmetric weights only ({why})"
+    return None
+
+
+def build_per_channel(
+    cls: type[LinearKernel], qw, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+    scale_name: str = "scales", scale_dtype: torch.dtype | None = None,
+) -> LinearKernel:
+    """A kernel whose buffers are the int8 codes ``qweight`` (out, in), one scale per row
+    (``scale_name``, in ``scale_dtype`` or the compute dtype) and the bias."""
+    out_f, in_f = qw.q.shape
+    k = cls(in_f, out_f, qw.scheme, dtype)
+    k.register_buffer("qweight", qw.q.to(device=device, dtype=torch.int8).contiguous())
+    k.register_buffer(scale_name, qw.scale[:, 0].to(device=device, dtype=scale_dtype or dtype).contiguous())
+    k.register_buffer("bias", bias_buffer(bias, device, dtype))
+    return k

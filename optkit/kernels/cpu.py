@@ -42,7 +42,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from optkit.kernels.base import LinearKernel, bias_buffer, common_reason
+from optkit.kernels.base import LinearKernel, bias_buffer, build_per_channel, common_reason, per_channel_reason
 from optkit.kernels.compiled import COMPILE_MIN_WEIGHTS, LazyCompiled
 from optkit.kernels.int4 import group_reason, kernel_group, round_up, scales_and_zeros, unsigned_codes
 
@@ -193,8 +193,8 @@ class CpuInt8Pack(LinearKernel):
         reason = common_reason(scheme, device, dtype, device_type="cpu", bits=(8,))
         if reason:
             return reason
-        if scheme.group_size is not None or not scheme.symmetric:
-            return "takes per-channel symmetric int8 only (one scale per row, no zero point)"
+        if per_channel_reason(scheme):
+            return per_channel_reason(scheme)
         if shape is not None and shape[1] % 16:
             # aten._weight_int8pack_mm returns wrong numbers (no error) when in % 16 != 0 (torch 2.13).
             return f"needs in_features % 16 == 0, got {shape[1]}"
@@ -202,11 +202,7 @@ class CpuInt8Pack(LinearKernel):
 
     @classmethod
     def build(cls, qw, weight, bias, device, dtype):
-        out_f, in_f = qw.q.shape
-        k = cls(in_f, out_f, qw.scheme, dtype)
-        k.register_buffer("qweight", qw.q.to(device=device, dtype=torch.int8).contiguous())
-        k.register_buffer("scales", qw.scale[:, 0].to(device=device, dtype=dtype).contiguous())
-        k.register_buffer("bias", bias_buffer(bias, device, dtype))
+        k = build_per_channel(cls, qw, bias, device, dtype)
         k.op_max_m = INT8_OP_MAX_M[dtype]
         return k
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from optkit.kernels.base import LinearKernel, bias_buffer, common_reason
+from optkit.kernels.base import LinearKernel, bias_buffer, build_per_channel, common_reason, per_channel_reason
 from optkit.kernels.int4 import group_reason, kernel_group, round_up, scales_and_zeros, unsigned_codes
 
 
@@ -91,17 +91,12 @@ class CudaInt8WeightOnly(LinearKernel):
         reason = common_reason(scheme, device, dtype, device_type="cuda", bits=(8,))
         if reason:
             return reason
-        if scheme.group_size is not None or not scheme.symmetric:
-            return "takes per-channel symmetric int8 only (one scale per row, no zero point)"
-        return None
+        return per_channel_reason(scheme)
 
     @classmethod
     def build(cls, qw, weight, bias, device, dtype):
-        out_f, in_f = qw.q.shape
-        k = cls(in_f, out_f, qw.scheme, dtype)
-        k.register_buffer("qweight", qw.q.to(device=device, dtype=torch.int8).contiguous())
-        k.register_buffer("scales", qw.scale[:, 0].to(device=device, dtype=dtype).contiguous())
-        k.register_buffer("bias", bias_buffer(bias, device, dtype))
+        in_f = qw.q.shape[1]
+        k = build_per_channel(cls, qw, bias, device, dtype)
         # The CPU op silently miscomputes when in % 16 != 0; hold the CUDA one to the same rule.
         k.use_op = _has_cuda_kernel("aten::_weight_int8pack_mm") and in_f % 16 == 0
         return k

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from optkit.kernels.base import LinearKernel, bias_buffer, common_reason
+from optkit.kernels.base import LinearKernel, build_per_channel, common_reason, per_channel_reason
 from optkit.kernels.compiled import COMPILE_MIN_WEIGHTS, LazyCompiled
 
 
@@ -62,8 +62,8 @@ class _W8A8IntMM(LinearKernel):
         reason = common_reason(scheme, device, dtype, device_type=cls.device_type, act_bits=8)
         if reason:
             return reason
-        if scheme.group_size is not None or not scheme.symmetric:
-            return "takes per-channel symmetric weights only (the int32 GEMM has one scale per output row)"
+        if per_channel_reason(scheme):
+            return per_channel_reason(scheme, "the int32 GEMM has one scale per output row")
         if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_int_mm", cls.device_type.upper()):
             return f"this torch build has no {cls.device_type} kernel for aten._int_mm"
         return cls._shape_reason(shape)
@@ -74,12 +74,7 @@ class _W8A8IntMM(LinearKernel):
 
     @classmethod
     def build(cls, qw, weight, bias, device, dtype):
-        out_f, in_f = qw.q.shape
-        k = cls(in_f, out_f, qw.scheme, dtype)
-        k.register_buffer("qweight", qw.q.to(device=device, dtype=torch.int8).contiguous())
-        k.register_buffer("weight_scale", qw.scale[:, 0].to(device=device, dtype=torch.float32).contiguous())
-        k.register_buffer("bias", bias_buffer(bias, device, dtype))
-        return k
+        return build_per_channel(cls, qw, bias, device, dtype, scale_name="weight_scale", scale_dtype=torch.float32)
 
     def _mm(self, x):
         m = x.shape[0]
