@@ -264,17 +264,16 @@ class LLMEngine:
         result = self.runner.execute(out)
         updated = self.scheduler.update(out, result)
         outputs = []
-        n_new = dict(zip(result.request_ids, itertools.repeat(1)))
-        for req in updated:
+        for req in updated:  # each got exactly one token this step
             rid = req.request_id
             detok = self._detok.get(rid)
             if detok is None:
                 continue
-            new_ids = req.output_token_ids[-n_new.get(rid, 1):]
+            new_ids = req.output_token_ids[-1:]
             new_text = ""
-            for t in new_ids:
-                if not (req.is_finished and req.status is RequestStatus.FINISHED_STOPPED and t in self._stop_ids(req)):
-                    new_text += detok.push(t)
+            # a stop token (EOS or stop_token_ids) ends the request; its text is not output
+            if not (req.status is RequestStatus.FINISHED_STOPPED and new_ids[0] in self._stop_ids(req)):
+                new_text += detok.push(new_ids[0])
             if detok.stopped and not req.is_finished:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:

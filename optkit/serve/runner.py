@@ -56,6 +56,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         for rid in set(out.finished_ids) - set(out.preempted_ids):  # a preempted request keeps its RNG stream
             self.generators.pop(rid, None)
+        if not out.scheduled:
+            return RunnerOutput([], [], [])
         decodes = [s for s in out.scheduled if s.num_tokens == 1 and s.start > 0]
         prefills = [s for s in out.scheduled if not (s.num_tokens == 1 and s.start > 0)]
         ids: list[int] = []

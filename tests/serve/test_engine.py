@@ -141,6 +141,11 @@ def test_stop_strings_and_text(llama, tok):
     assert stop and stop not in full.text[:5]
     cut = eng.generate(["hello world"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=(stop,)))[0]
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+    tid = full.token_ids[4]
+    at = full.token_ids.index(tid)
+    by_id = eng.generate(["hello world"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(tid,)))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[: at + 1]
+    assert by_id.text == tok.decode(full.token_ids[:at], skip_special_tokens=True)  # the stop token's text is not output
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 
 
@@ -189,6 +194,7 @@ def test_abort_frees_blocks_at_once(llama, tok):
     for rid in ids:
         assert eng.abort(rid)
     assert eng.kv.num_free_blocks == total and not eng.has_unfinished()
+    assert eng.step() == [] and not eng.abort(ids[0])  # an empty step after aborts; a second abort is a no-op
 
 
 def test_kv_budget_is_respected_and_unusable_budget_is_an_error(llama, tok):
