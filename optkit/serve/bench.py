@@ -148,6 +148,7 @@ def bench_offline(engine: LLMEngine, s: BenchSettings, rng: random.Random) -> di
         for _ in range(s.offline_requests):
             p = rng.randint(*s.offline_prompt_range)
             o = rng.randint(*s.offline_output_range)
+            p = min(p, engine.max_model_len - o)  # a short-context model: clip the prompt, keep the output
             n_prompt, n_out = n_prompt + p, n_out + o
             engine.add_request(_prompt(rng, p, vocab), SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
         t = time.perf_counter()

@@ -8,12 +8,14 @@ dtype by optkit's reference reader, since transformers' own modules need float w
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from optkit.serve.loader import ModelSource
 from optkit.serve.request import RunnerOutput, SchedulerOutput
+from optkit.serve.runner import StepTiming
 from optkit.serve.sampler import Sampler, make_generator
 
 
@@ -42,6 +44,7 @@ class TransformersRunner:
         self.sampler = sampler
         self.caches: dict[str, Any] = {}
         self.generators: dict[str, torch.Generator | None] = {}
+        self.timing = StepTiming()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -49,7 +52,9 @@ class TransformersRunner:
 
         for rid in out.finished_ids:
             self.caches.pop(rid, None)
-            self.generators.pop(rid, None)
+            if rid not in out.preempted_ids:
+                self.generators.pop(rid, None)
+        t0 = time.perf_counter()
         rows, sampled = [], []
         for s in out.scheduled:
             rid = s.request.request_id
@@ -66,6 +71,8 @@ class TransformersRunner:
                 sampled.append(s)
                 if rid not in self.generators:
                     self.generators[rid] = make_generator(s.request.sampling.seed, self.device)
+        t1 = time.perf_counter()
+        self.timing.history.append((0.0, t1 - t0, 0.0, sum(s.num_tokens for s in out.scheduled), 0))
         if not sampled:
             return RunnerOutput([], [], [])
         params = [s.request.sampling for s in sampled]

@@ -131,6 +131,12 @@ def test_transformers_fallback_for_other_architectures(tok):
     prompts = _prompts(3, len(tok), seed=6, lo=4, hi=20)
     for p, o in zip(prompts, eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0)), strict=True):
         assert o.token_ids == _hf_greedy(model, p, 12)
+    from optkit.serve.bench import BenchSettings, run_bench
+
+    r = run_bench(eng, BenchSettings(prompt_lens=(8,), batch_sizes=(2,), decode_tokens=3, offline_requests=2,
+                                     repeats=1, warmup=0, probe_bandwidth=False))
+    assert r["engine"] == "transformers-fallback" and "GPT2LMHeadModel" in r["fallback_reason"]
+    assert r["decode"][0]["tok_s"]["median"] > 0
 
 
 def test_stop_strings_and_text(llama, tok):
