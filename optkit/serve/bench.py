@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from optkit.hardware import measure_peak_bandwidth, measure_peak_matmul
 from optkit.serve.engine import LLMEngine
 from optkit.serve.request import SamplingParams
 
@@ -53,27 +54,6 @@ def summarize(values: list[float]) -> dict:
         "median": med, "min": min(values), "max": max(values), "n": len(values),
         "spread_pct": 100.0 * (max(values) - min(values)) / med if med else 0.0,
     }
-
-
-def measure_peak_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict:
-    """Read bandwidth: ``sum()`` over a buffer larger than the last-level cache (1 GiB), the
-    best of ``repeats`` (peak = what the hardware can do, so the best run, not the median)."""
-    n = nbytes // 4
-    x = torch.ones(n, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        _sync(device)
-        t = time.perf_counter()
-        x.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    del x
-    return {"read_gb_s": nbytes / best / 1e9, "buffer_bytes": nbytes, "method": "max over runs of sum() over a 1 GiB float32 buffer"}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -166,6 +146,38 @@ def bench_offline(engine: LLMEngine, s: BenchSettings, rng: random.Random) -> di
     }
 
 
+def roofline_points(result: dict, engine: LLMEngine, s: BenchSettings) -> list[dict]:
+    """Where each measured phase sits on the roofline: arithmetic intensity (FLOPs per byte of
+    compulsory memory traffic) and achieved FLOP/s and bytes/s.
+
+    FLOPs: 2 per weight per token through the layers' linears (the head only for sampled rows),
+    plus attention, 4 * layers * H_q * head_dim per (query, key) pair (QK^T and AV; causal
+    prefill has T^2/2 pairs). Bytes: the packed weights once per forward, plus the KV cache
+    read (decode) or written (prefill)."""
+    spec = engine.model.spec
+    p_layers, p_head = engine.model.matmul_params()
+    attn = 4 * spec.num_layers * spec.num_heads * spec.head_dim
+    wbytes = result["weight_bytes_per_step"]
+    kv = engine.kv_bytes_per_token
+    points = []
+    for p in result["prefill"]:
+        t = p["prompt_tokens"]
+        flops = 2 * p_layers * t + 2 * p_head + attn * t * t / 2
+        nbytes = wbytes + kv * t
+        sec = p["ttft_s"]["median"]
+        points.append({"phase": "prefill", "label": f"prefill {t}", "intensity_flop_per_byte": flops / nbytes,
+                       "achieved_tflops": flops / sec / 1e12, "achieved_gb_s": nbytes / sec / 1e9})
+    ctx = s.decode_prompt_len + s.decode_tokens / 2  # mean context over the decode run
+    for d in result["decode"]:
+        b = d["batch"]
+        flops = b * (2 * (p_layers + p_head) + attn * ctx)
+        nbytes = wbytes + b * ctx * kv
+        sec = b / d["tok_s"]["median"]  # one step makes one token per request
+        points.append({"phase": "decode", "label": f"decode b{b}", "intensity_flop_per_byte": flops / nbytes,
+                       "achieved_tflops": flops / sec / 1e12, "achieved_gb_s": nbytes / sec / 1e9})
+    return points
+
+
 def hardware() -> dict:
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
             "threads": torch.get_num_threads()}
@@ -240,8 +252,8 @@ def run_bench(engine: LLMEngine, s: BenchSettings, progress: Callable[[str], Non
     out["kv"]["peak_bytes_used"] = peak_used[0] * kv_bytes_block
     out["kv"]["allocated_bytes"] = engine.cache.nbytes if engine.cache is not None else None
     if s.probe_bandwidth:
-        progress("peak bandwidth probe")
-        out["machine"] = measure_peak_bandwidth(dev)
+        progress("peak bandwidth and matmul probes")
+        out["machine"] = measure_peak_bandwidth(dev) | {"matmul": measure_peak_matmul(dev, engine.dtype)}
     b1 = next((d for d in out["decode"] if d["batch"] == 1), None)
     if b1 and engine.native:
         achieved = out["weight_bytes_per_step"] * b1["tok_s"]["median"] / 1e9
@@ -250,6 +262,8 @@ def run_bench(engine: LLMEngine, s: BenchSettings, progress: Callable[[str], Non
             "method": "weight bytes read per decode step x steps/s at batch 1",
             "fraction_of_peak": achieved / out["machine"]["read_gb_s"] if "machine" in out else None,
         }
+    if engine.native and "machine" in out:
+        out["roofline"] = roofline_points(out, engine, s)
     out["memory"] = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if dev.type == "cuda":
         out["memory"]["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(dev)
@@ -295,6 +309,11 @@ def render(result: dict) -> list:
             t.add_row("fraction of peak", f"{100 * db['fraction_of_peak']:.0f} %")
     if "weight_bytes_per_step" in result:
         t.add_row("weight bytes / decode step", f"{result['weight_bytes_per_step'] / 1e6:.1f} MB")
+    if "machine" in result and "matmul" in result["machine"]:
+        mm = result["machine"]["matmul"]
+        t.add_row(f"machine matmul TFLOP/s ({mm['dtype']}, probe)", f"{mm['tflops']:.2f}")
+    for pt in result.get("roofline", []):
+        t.add_row(f"roofline {pt['label']}", f"{pt['intensity_flop_per_byte']:.1f} FLOP/B, {pt['achieved_tflops']:.3f} TFLOP/s")
     kv = result["kv"]
     t.add_row("KV bytes / token", f"{kv['bytes_per_token']}")
     t.add_row("KV budget / peak used", f"{kv['budget_bytes'] / 1e6:.0f} MB / {kv['peak_bytes_used'] / 1e6:.1f} MB")
@@ -309,4 +328,4 @@ def render(result: dict) -> list:
     return tables
 
 
-__all__ = ["BenchSettings", "run_bench", "render", "measure_peak_bandwidth", "summarize"]
+__all__ = ["BenchSettings", "run_bench", "render", "roofline_points", "summarize"]

@@ -324,6 +324,12 @@ class LlamaExecutor(nn.Module):
         norms = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.input_norm, layer.post_norm))
         return sum(k.weight_bytes() for k in kernels) + self.lm_head.weight_bytes() + norms
 
+    def matmul_params(self) -> tuple[int, int]:
+        """(weights in the decoder layers' linears, weights in the head): 2 FLOPs each per token."""
+        layers = sum(k.in_features * k.out_features for layer in self.layers
+                     for m in (layer.qkv, layer.o, layer.gate_up, layer.down) for k in m.kernels)
+        return layers, self.lm_head.in_features * self.lm_head.out_features
+
     def kernel_names(self) -> dict[str, int]:
         """Which kernel runs how many matmuls (the head included)."""
         names: dict[str, int] = {}

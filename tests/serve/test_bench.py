@@ -36,7 +36,12 @@ def test_bench_writes_every_section(tiny_ckpt, tmp_path):
     assert r["machine"]["read_gb_s"] > 0 and 0 < r["decode_bandwidth"]["fraction_of_peak"]
     assert r["kv"]["peak_bytes_used"] <= r["kv"]["allocated_bytes"] <= r["kv"]["budget_bytes"]
     assert r["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # K+V x layers x kv heads x head dim x bf16
-    assert r["memory"]["peak_rss_bytes"] > 0
+    assert r["memory"]["peak_rss_bytes"] > 0 and r["machine"]["matmul"]["tflops"] > 0
+    points = {p["label"]: p for p in r["roofline"]}
+    assert set(points) == {"prefill 8", "prefill 20", "decode b1", "decode b3"}
+    # more tokens per weight read: intensity grows with prompt length and with batch
+    assert points["prefill 20"]["intensity_flop_per_byte"] > points["prefill 8"]["intensity_flop_per_byte"]
+    assert points["decode b3"]["intensity_flop_per_byte"] > points["decode b1"]["intensity_flop_per_byte"]
     assert "decode" in res.stdout and "prefill" in res.stdout
 
 
