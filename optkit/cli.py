@@ -289,7 +289,8 @@ def run(
     overwrite: Annotated[bool, typer.Option(help="Override export.overwrite.")] = False,
     summary_json: SummaryOpt = None,
 ) -> None:
-    """Run the pipeline described by a recipe file."""
+    """Run the pipeline described by a recipe file. With 'variants' and 'report': build and
+    measure every variant, write report.json/.md/.html, exit 1 when the gates fail."""
     from optkit.recipe import load_recipe
 
     r = load_recipe(recipe)
@@ -298,9 +299,31 @@ def run(
         updates["out"] = str(out)
     if overwrite:
         updates["overwrite"] = True
+    if r.variants:  # a sign-off: every variant built and measured, one report, gates decide the exit code
+        if out is not None:
+            r = r.model_copy(update={"report": r.report.model_copy(update={"out": str(out)})})
+        _signoff(r)
+        return
     if updates:
         r = r.model_copy(update={"export": r.export.model_copy(update=updates)})
     _run(r, summary_json)
+
+
+def _signoff(recipe) -> None:
+    from optkit.progress import RichReporter
+    from optkit.report import Report, evaluate_gates, exit_code, exit_message, write_report
+    from optkit.signoff import run_signoff
+
+    _quiet_libraries()
+    report_dict, out_dir = run_signoff(recipe, RichReporter(err_console))
+    report = evaluate_gates(Report.model_validate(report_dict))
+    write_report(report, out_dir)
+    for v in report.variants:
+        if v.status != "ok":
+            err_console.print(f"variant {v.name} FAILED: {v.error}", markup=False, highlight=False, soft_wrap=True)
+    out_console.print(f"report: {out_dir}/report.md, report.html, report.json", markup=False, highlight=False, soft_wrap=True)
+    out_console.print(exit_message(report), markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(exit_code(report))
 
 
 @app.command()
@@ -416,6 +439,47 @@ def bench(
         out_console.print(table)
     if json_out is not None:
         _write_json_atomic(json_out, result)
+
+
+report_app = typer.Typer(help="Render and compare sign-off reports.", no_args_is_help=True)
+app.add_typer(report_app, name="report")
+
+
+@report_app.command("render")
+def report_render(
+    report_json: Annotated[Path, typer.Argument(help="A report.json written by a sign-off run.")],
+    out: Annotated[Path, typer.Option(help="Directory for report.json, report.md and report.html (created or updated).")],
+    check: Annotated[bool, typer.Option(help="Exit 1 when the gates fail (as a sign-off run does).")] = False,
+) -> None:
+    """Re-evaluate the gates of a report and write it as JSON, Markdown and self-contained HTML."""
+    from optkit.report import evaluate_gates, exit_code, exit_message, load_report, write_report
+
+    r = evaluate_gates(load_report(report_json))
+    write_report(r, out)
+    out_console.print(f"wrote {out}/report.json, report.md, report.html", markup=False, highlight=False, soft_wrap=True)
+    out_console.print(exit_message(r), markup=False, highlight=False, soft_wrap=True)
+    if check and exit_code(r):
+        raise typer.Exit(1)
+
+
+@report_app.command("compare")
+def report_compare(
+    old: Annotated[Path, typer.Argument(help="The earlier report.json.")],
+    new: Annotated[Path, typer.Argument(help="The later report.json.")],
+    threshold: Annotated[float, typer.Option(help="Percent change that counts, when larger than the measured noise.")] = 5.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every comparison row as JSON here.")] = None,
+) -> None:
+    """Compare two reports metric by metric; exit 1 when any metric got worse beyond
+    max(threshold, noise) or a variant now fails. Prints Markdown (fits $GITHUB_STEP_SUMMARY)."""
+    from optkit.report import compare, load_report, render_compare_markdown
+
+    if threshold < 0:
+        raise UserError(f"--threshold {threshold}: give a percentage >= 0", hint="e.g. --threshold 5")
+    result = compare(load_report(old), load_report(new), threshold_pct=threshold)
+    sys.stdout.write(render_compare_markdown(result))
+    if json_out is not None:
+        _write_json_atomic(json_out, result.model_dump(mode="json"))
+    raise typer.Exit(result.exit_code)
 
 
 def main() -> None:

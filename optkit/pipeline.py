@@ -5,6 +5,7 @@ checkpoint -> calibration tokens -> layer plan -> quantize -> export (atomic) ->
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -216,18 +217,29 @@ def export_dtype(choice: str, checkpoint_dtype: str | None) -> torch.dtype:
     return torch.bfloat16
 
 
-def run_recipe(recipe: Recipe, reporter: Reporter | None = None) -> QuantizeResult:
+def run_recipe(recipe: Recipe, reporter: Reporter | None = None, preloaded: tuple | None = None) -> QuantizeResult:
+    """Load, calibrate, quantize and export one artifact.
+
+    ``preloaded``: ``(LoadedCheckpoint, Calibration)`` built once by a caller that runs several
+    variants of one recipe (the sign-off report): the checkpoint is not read again, the
+    calibration tokens are not rebuilt, and the model is deep-copied so every variant starts
+    from the same float weights.
+    """
     reporter = reporter or Reporter()
     out = Path(recipe.export.out) if recipe.export.out else default_out(recipe)
     # Fail before any work when the target is taken (the writer checks again at the end).
     if out.exists() and not recipe.export.overwrite:
         raise ArtifactError(f"output path {out} already exists", hint="choose another --out or pass --overwrite")
 
-    with reporter.stage("load", "Loading checkpoint"):
-        ck = load_checkpoint(recipe.model)
-    model = ck.model
-    with reporter.stage("calibration", "Building calibration tokens"):
-        calib = build_calibration(recipe.calibration, ck.tokenizer)
+    if preloaded is not None:
+        ck, calib = preloaded
+        model = copy.deepcopy(ck.model)
+    else:
+        with reporter.stage("load", "Loading checkpoint"):
+            ck = load_checkpoint(recipe.model)
+        model = ck.model
+        with reporter.stage("calibration", "Building calibration tokens"):
+            calib = build_calibration(recipe.calibration, ck.tokenizer)
 
     q = recipe.quantization
     scheme = q.weight_scheme()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from optkit.errors import RecipeError
 from optkit.quantize.scheme import SUPPORTED_GROUP_SIZES, QuantScheme
@@ -357,8 +357,64 @@ class ExportConfig(_Strict):
     )
 
 
+class VariantConfig(_Strict):
+    """One variant of a sign-off report: a quantization of the recipe's model, or the baseline."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Short unique name (also the artifact folder).")
+    description: str | None = Field(None, description="Free text shown in the report.")
+    quantization: QuantizationConfig | None = Field(
+        None, description="How to quantize this variant; absent = the unquantized baseline (served from the checkpoint)."
+    )
+
+
+class EvalTextConfig(_Strict):
+    """Text that perplexity and KL divergence are measured on (the same tokens for every variant)."""
+
+    source: str = Field(
+        ..., description="A local .txt/.raw file or hf:DATASET (tokenized whole, no BOS; never the calibration text)."
+    )
+    seq_len: int = Field(512, ge=16, description="Tokens per window.")
+    max_windows: int | None = Field(40, ge=1, description="Use at most this many windows (None: all).")
+
+
+class SpeedConfig(_Strict):
+    """The runner's speed measurement per variant (a short optkit bench)."""
+
+    prompt_lens: list[int] = Field([128, 512], min_length=1, description="Prompt lengths for TTFT.")
+    batch_sizes: list[int] = Field([1, 8], min_length=1, description="Decode batch sizes; 1 must be among them.")
+    decode_tokens: int = Field(32, ge=2, description="Tokens generated per request in the decode runs.")
+    repeats: int = Field(3, ge=1, description="Timed repeats (after one warm-up).")
+    compile: bool = Field(False, description="Compile the decode step (faster decode, about a minute per variant).")
+    threads: int | None = Field(None, ge=1, description="CPU threads (default: torch's choice).")
+
+
+class ReportConfig(_Strict):
+    """The sign-off report: what is measured on every variant and the gates a release must pass."""
+
+    eval: EvalTextConfig
+    tasks: list[str] = Field(
+        ["optkit-facts", "optkit-cloze"], description="Built-in task names or .jsonl paths (multiple choice by log-likelihood)."
+    )
+    max_task_items: int | None = Field(None, ge=1, description="Use at most this many items per task.")
+    samples: list[str] = Field(
+        ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"],
+        description="Prompts for side-by-side greedy samples.",
+    )
+    speed: SpeedConfig = Field(default_factory=SpeedConfig)
+    memory_budget: str = Field("1GiB", description="Budget for the 'largest context that fits' figure (weights + KV).")
+    gates: list[str] = Field([], description="Limits each variant must meet, e.g. 'kl_divergence <= 0.05'.")
+    out: str | None = Field(None, description="Report directory (report.json, report.md, report.html). Default: reports/<name>.")
+
+    @field_validator("gates", mode="before")
+    @classmethod
+    def _gates(cls, v: Any) -> Any:  # canonical text; an unknown metric is a recipe error before any work
+        from optkit.report.gates import validate_gates
+
+        return [g.text for g in validate_gates(v or [])]
+
+
 class Recipe(_Strict):
-    """A full quantization run."""
+    """A full quantization run, or with ``variants`` and ``report``, a sign-off of several."""
 
     version: Literal[1] = Field(RECIPE_VERSION, description="Recipe format version.")
     name: str | None = Field(None, description="Free-form name, recorded in the manifest.")
@@ -366,6 +422,26 @@ class Recipe(_Strict):
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    variants: list[VariantConfig] = Field(
+        [], description="Sign-off: build and evaluate each variant (one without quantization is the baseline)."
+    )
+    report: ReportConfig | None = Field(None, description="Sign-off report settings (needed with variants).")
+
+    @model_validator(mode="after")
+    def _check_signoff(self) -> Recipe:
+        if not self.variants and self.report is None:
+            return self
+        if not self.variants or self.report is None:
+            raise ValueError("'variants' and 'report' go together: a sign-off needs both")
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"variant names must be unique, got {names}")
+        baselines = [v.name for v in self.variants if v.quantization is None]
+        if len(baselines) != 1:
+            raise ValueError(f"exactly one variant must have no 'quantization' (the baseline); found {baselines or 'none'}")
+        if 1 not in self.report.speed.batch_sizes:
+            raise ValueError("report.speed.batch_sizes must include 1 (decode_speedup is measured at batch 1)")
+        return self
 
 
 # --------------------------------------------------------------------------- loading
