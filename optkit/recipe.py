@@ -371,10 +371,24 @@ class EvalTextConfig(_Strict):
     """Text that perplexity and KL divergence are measured on (the same tokens for every variant)."""
 
     source: str = Field(
-        ..., description="A local .txt/.raw file or hf:DATASET (tokenized whole, no BOS; never the calibration text)."
+        ...,
+        description="A local .txt/.raw/.jsonl/.parquet file or hf:DATASET; documents joined by blank lines, "
+        "tokenized whole, no BOS. Never the calibration text.",
     )
+    split: str = Field("test", description="Dataset split for 'hf:' sources.")
+    text_field: str = Field("text", description="Text column/key for .jsonl, .parquet and 'hf:' sources.")
     seq_len: int = Field(512, ge=16, description="Tokens per window.")
+    stride: int | None = Field(
+        None, ge=1, description="Start a window every this many tokens (default seq_len: no overlap); "
+        "with overlap each token is scored once, with seq_len - stride tokens of extra context.",
+    )
     max_windows: int | None = Field(40, ge=1, description="Use at most this many windows (None: all).")
+
+    @model_validator(mode="after")
+    def _stride_fits(self) -> EvalTextConfig:
+        if self.stride is not None and self.stride > self.seq_len:
+            raise ValueError(f"stride {self.stride} is larger than seq_len {self.seq_len}; allowed: 1..seq_len")
+        return self
 
 
 class SpeedConfig(_Strict):

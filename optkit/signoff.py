@@ -120,7 +120,7 @@ def _measure_variant(
             out["_mixed"] = {"bits_per_weight": res.mixed.bits_per_weight, "predicted_kl": res.mixed.predicted_kl,
                              "choice": res.mixed.choice}
     with reporter.stage(f"quality-{v.name}", f"Quality of {v.name}"):
-        q = evaluate(model, windows, ref)
+        q = evaluate(model, windows, ref, stride=rc.eval.stride)
         task_results = evaluate_tasks(model, ck.tokenizer, tasks, max_items=rc.max_task_items) if tasks else {}
         samples = greedy_samples(model, ck.tokenizer, rc.samples)
         sqnr = per_layer_sqnr(ck.model.state_dict(), art) if art is not None else None
@@ -136,7 +136,8 @@ def _measure_variant(
         kv_per_token = engine.kv_bytes_per_token
         del engine, source
         gc.collect()
-    eval_method = f"{q.windows} windows x {q.seq_len} tokens of {rc.eval.source}"
+    eval_method = (f"{q.tokens_scored} tokens scored in {q.windows} windows x {q.seq_len}"
+                   + (f" (stride {rc.eval.stride})" if rc.eval.stride else "") + f" of {rc.eval.source}")
     out["quality"] = {
         "perplexity": _metric(q.perplexity, "", "exp(mean NLL), " + eval_method),
         "nll": _metric(q.nll, "nats/token", "mean NLL, " + eval_method),
@@ -158,6 +159,23 @@ def _measure_variant(
     out["speed"] = speed
     out["roofline"] = {"points": points}
     return out
+
+
+def eval_tokens(cfg: Any, tokenizer: Any) -> torch.Tensor:
+    """The evaluation token stream: a text file read whole, or the documents of a .jsonl,
+    .parquet or hf: source joined by blank lines (plain text only: perplexity of a chat
+    transcript depends on a template)."""
+    from optkit.calibration.data import read_documents
+    from optkit.recipe import CalibrationConfig
+
+    if Path(cfg.source).suffix in (".txt", ".raw") or not (cfg.source.startswith("hf:") or Path(cfg.source).is_file()):
+        return load_text_tokens(cfg.source, tokenizer)  # also names a missing file
+    docs, _ = read_documents(CalibrationConfig(source=cfg.source, split=cfg.split, text_field=cfg.text_field))
+    if any(not isinstance(d, str) for d in docs):
+        raise UserError(f"evaluation source {cfg.source} holds conversations; perplexity needs plain text",
+                        hint="point report.eval.text_field at a plain-text column")
+    text = "\n\n".join(docs)
+    return torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
 
 
 def run_signoff(recipe: Recipe, reporter: Reporter | None = None) -> tuple[dict, Path]:
@@ -182,13 +200,13 @@ def run_signoff(recipe: Recipe, reporter: Reporter | None = None) -> tuple[dict,
         ck = load_checkpoint(recipe.model)
     with reporter.stage("calibration", "Building calibration tokens"):
         calib = build_calibration(recipe.calibration, ck.tokenizer)
-    ids = load_text_tokens(rc.eval.source, ck.tokenizer)
-    if ids.numel() < rc.eval.seq_len + 1:
+    ids = eval_tokens(rc.eval, ck.tokenizer)
+    if ids.numel() < rc.eval.seq_len:
         raise UserError(
             f"evaluation text {rc.eval.source} has {ids.numel()} tokens, fewer than one window of {rc.eval.seq_len}",
             hint="give a longer text or a smaller report.eval.seq_len",
         )
-    windows = make_windows(ids, rc.eval.seq_len, rc.eval.max_windows)
+    windows = make_windows(ids, rc.eval.seq_len, rc.eval.max_windows, rc.eval.stride)
     dev = torch.device("cpu")
     machine = {
         "peak_read_bandwidth": _metric(None, "GB/s", ""),

@@ -118,3 +118,20 @@ def test_ci_recipe_signs_off_the_embedded_model(real_env, tmp_path):
     report = _check_formats(tmp_path / "report")
     assert [v["status"] for v in report["variants"]] == ["ok", "ok", "ok"]
     assert report["verdict"]["passed"] and report["verdict"]["recommended"] != "bf16"
+
+
+def test_eval_text_from_documents_and_stride(tmp_path, tokenizer):
+    from optkit.errors import UserError
+    from optkit.recipe import EvalTextConfig
+    from optkit.signoff import eval_tokens
+
+    p = tmp_path / "docs.jsonl"
+    p.write_text(json.dumps({"body": "first document"}) + "\n" + json.dumps({"body": "second one"}) + "\n")
+    ids = eval_tokens(EvalTextConfig(source=str(p), text_field="body", seq_len=16), tokenizer)
+    assert ids.tolist() == tokenizer("first document\n\nsecond one", add_special_tokens=False)["input_ids"]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(UserError, match="conversations"):
+        eval_tokens(EvalTextConfig(source=str(chat), text_field="messages", seq_len=16), tokenizer)
+    with pytest.raises(ValueError, match="stride"):
+        EvalTextConfig(source="x.txt", seq_len=16, stride=32)

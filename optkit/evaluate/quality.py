@@ -71,16 +71,25 @@ def load_text_tokens(path: str | Path, tokenizer: Any) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)  # (T,)
 
 
-def make_windows(ids: torch.Tensor, seq_len: int = 512, max_windows: int | None = None) -> torch.Tensor:
-    """Non-overlapping windows of ``seq_len`` tokens, the incomplete tail dropped, at most
-    ``max_windows`` of them (the first ones): LongTensor (W, seq_len)."""
+def make_windows(
+    ids: torch.Tensor, seq_len: int = 512, max_windows: int | None = None, stride: int | None = None
+) -> torch.Tensor:
+    """Windows of ``seq_len`` tokens starting every ``stride`` tokens (default ``seq_len``:
+    non-overlapping), the incomplete tail dropped, at most ``max_windows`` of them (the first
+    ones): LongTensor (W, seq_len). With overlap, :func:`evaluate` given the same ``stride``
+    scores each token once: every window after the first only scores its last ``stride``
+    targets, the tokens before them are context (the sliding-window perplexity of transformers'
+    docs, which gives each scored token ``seq_len - stride`` tokens of history)."""
     if ids.dim() != 1:
         raise ValueError(f"expected a 1-D token stream, got shape {tuple(ids.shape)}")
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2 (one token to condition on, one to score), got {seq_len}")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be at least 1, got {max_windows}")
-    n = ids.numel() // seq_len
+    stride = seq_len if stride is None else stride
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
+    n = 0 if ids.numel() < seq_len else (ids.numel() - seq_len) // stride + 1
     if n == 0:
         raise CalibrationError(
             f"the evaluation text holds {ids.numel()} tokens, fewer than one window of {seq_len}",
@@ -88,7 +97,17 @@ def make_windows(ids: torch.Tensor, seq_len: int = 512, max_windows: int | None 
         )
     if max_windows is not None:
         n = min(n, max_windows)
-    return ids[: n * seq_len].reshape(n, seq_len).clone()  # (W, L)
+    if stride == seq_len:
+        return ids[: n * seq_len].reshape(n, seq_len).clone()  # (W, L)
+    return torch.stack([ids[i * stride : i * stride + seq_len] for i in range(n)])  # (W, L)
+
+
+def _scored(n_windows: int, seq_len: int, stride: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool (W, L-1): which targets count. All of the first window's; the last ``stride`` of the others."""
+    mask = torch.ones(n_windows, seq_len - 1, dtype=torch.bool, device=device)
+    if stride is not None and stride < seq_len:
+        mask[1:, : seq_len - 1 - stride] = False
+    return mask
 
 
 def _batches(windows: torch.Tensor, batch_size: int):
@@ -107,9 +126,10 @@ def _log_probs(model: Any, batch: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, L-1, V)
 
 
-def _nll_sum(logp: torch.Tensor, batch: torch.Tensor) -> float:
+def _nll_sum(logp: torch.Tensor, batch: torch.Tensor, scored: torch.Tensor | None = None) -> float:
     targets = batch[:, 1:].to(logp.device)  # (B, L-1)
-    return -logp.gather(-1, targets.unsqueeze(-1)).double().sum().item()
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double()  # (B, L-1)
+    return (nll if scored is None else nll[scored.to(nll.device)]).sum().item()
 
 
 class ReferenceLogits:
@@ -188,8 +208,8 @@ class ReferenceLogits:
         self.close()
 
 
-def _result(nll_sum: float, n_windows: int, seq_len: int, **extra: float) -> QualityResult:
-    tokens = n_windows * (seq_len - 1)
+def _result(nll_sum: float, n_windows: int, seq_len: int, tokens: int | None = None, **extra: float) -> QualityResult:
+    tokens = tokens or n_windows * (seq_len - 1)
     nll = nll_sum / tokens
     return QualityResult(perplexity=math.exp(nll), nll=nll, tokens_scored=tokens, windows=n_windows, seq_len=seq_len, **extra)
 
@@ -200,9 +220,11 @@ def evaluate(
     reference: ReferenceLogits | None = None,
     batch_size: int = 4,
     progress: Callable[[int], None] | None = None,
+    stride: int | None = None,
 ) -> QualityResult:
     """Perplexity of ``model`` (in eval mode) on ``windows`` (W, L), and with a ``reference`` its
     KL divergence from and top-1 agreement with the reference on the same positions.
+    ``stride``: the windows overlap (see :func:`make_windows`); each token is scored once.
 
     Logits are taken in float32 whatever the model's dtype. ``progress`` is called with the
     number of windows done after each batch.
@@ -215,22 +237,25 @@ def evaluate(
             raise ValueError("the reference was computed on other windows")
     nll = kl = 0.0
     agree = 0
+    scored = _scored(n_windows, seq_len, stride)  # (W, L-1)
+    tokens = int(scored.sum())
     with torch.inference_mode():
         for start, batch in _batches(windows, batch_size):
+            end = start + batch.shape[0]
+            mask = scored[start:end].to(batch.device)  # (B, L-1)
             logp = _log_probs(model, batch)  # (B, L-1, V)
-            nll += _nll_sum(logp, batch)
+            nll += _nll_sum(logp, batch, mask)
             if reference is not None:
-                end = start + batch.shape[0]
                 for i in range(batch.shape[0]):  # one window at a time bounds the float32 copies
                     stored = torch.from_numpy(np.asarray(reference.logprobs[start + i]))  # (L-1, V) float16
                     # renormalize after the float16 rounding, so P_ref sums to 1 and KL(P || P) ~ 0
                     ref_logp = torch.log_softmax(stored.to(logp.device, torch.float32), dim=-1)  # (L-1, V)
-                    kl += F.kl_div(logp[i], ref_logp, reduction="sum", log_target=True).double().item()
+                    m = mask[i].to(logp.device)
+                    kl += F.kl_div(logp[i][m], ref_logp[m], reduction="sum", log_target=True).double().item()
                 ref_top1 = torch.from_numpy(reference.argmax[start:end]).to(logp.device)  # (B, L-1)
-                agree += int((logp.argmax(-1) == ref_top1).sum().item())
+                agree += int(((logp.argmax(-1) == ref_top1) & mask.to(logp.device)).sum().item())
             if progress is not None:
-                progress(start + batch.shape[0])
+                progress(end)
     if reference is None:
-        return _result(nll, n_windows, seq_len)
-    tokens = n_windows * (seq_len - 1)
-    return _result(nll, n_windows, seq_len, kl_divergence=kl / tokens, top1_agreement=agree / tokens)
+        return _result(nll, n_windows, seq_len, tokens)
+    return _result(nll, n_windows, seq_len, tokens, kl_divergence=kl / tokens, top1_agreement=agree / tokens)

@@ -117,3 +117,31 @@ def test_load_text_tokens_adds_no_bos(tmp_path):
 def test_load_text_tokens_missing_file(tmp_path, tokenizer):
     with pytest.raises(CalibrationError, match="not found"):
         load_text_tokens(tmp_path / "nope.raw", tokenizer)
+
+
+def test_strided_windows_score_each_token_once_with_more_context(model, perturbed, tmp_path):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (70,), generator=g)
+    L, s = 24, 8
+    w = make_windows(ids, L, stride=s)
+    assert w.shape == (1 + (70 - L) // s, L) and torch.equal(w[1], ids[s : s + L])
+    # independent: a plain loop over windows, each token scored from the window that first covers it
+    nll, count, seen = 0.0, 0, []
+    with torch.no_grad():
+        for i in range(w.shape[0]):
+            logp = torch.log_softmax(model(input_ids=w[i : i + 1]).logits[0].float(), -1)  # (L, V)
+            first = 1 if i == 0 else L - s
+            for t in range(first, L):
+                nll -= logp[t - 1, w[i, t]].item()
+                count += 1
+                seen.append(i * s + t)
+    assert seen == list(range(1, len(seen) + 1))  # every position once, in order
+    res = evaluate(model, w, batch_size=2, stride=s)
+    assert res.tokens_scored == count and res.nll == pytest.approx(nll / count, rel=1e-5)
+    with ReferenceLogits.compute(model, w, directory=tmp_path) as ref:
+        same = evaluate(model, w, reference=ref, stride=s)
+        other = evaluate(perturbed, w, reference=ref, stride=s)
+    assert abs(same.kl_divergence) < 1e-5 and same.top1_agreement == 1.0
+    assert other.kl_divergence > 0 and other.tokens_scored == count
+    with pytest.raises(ValueError, match="stride"):
+        make_windows(ids, L, stride=L + 1)
