@@ -415,9 +415,23 @@ class ReportConfig(_Strict):
         description="Prompts for side-by-side greedy samples.",
     )
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
-    memory_budget: str = Field("1GiB", description="Budget for the 'largest context that fits' figure (weights + KV).")
+    memory_budget: str = Field("1GiB", description="Budget for the 'largest context that fits' figure (weights + KV), e.g. 1GiB.")
     gates: list[str] = Field([], description="Limits each variant must meet, e.g. 'kl_divergence <= 0.05'.")
     out: str | None = Field(None, description="Report directory (report.json, report.md, report.html). Default: reports/<name>.")
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _budget_in_bytes(cls, v: str) -> str:  # a fraction of free memory means nothing in a report
+        from optkit.errors import UserError
+        from optkit.serve.engine import parse_memory
+
+        try:
+            size = parse_memory(v, 0)
+        except UserError:
+            size = 0
+        if size <= 0:
+            raise ValueError(f"memory_budget {v!r} must be a size with a unit, e.g. 512MiB or 2GiB (not a fraction)")
+        return v
 
     @field_validator("gates", mode="before")
     @classmethod

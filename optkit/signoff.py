@@ -77,7 +77,7 @@ def _speed(engine: Any, rc: Any) -> tuple[dict, list]:
             for d in bench["decode"]
         ],
     }
-    return speed | {"_bench": bench}, points
+    return speed, points
 
 
 def _measure_variant(
@@ -255,7 +255,6 @@ def _assemble(recipe: Recipe, ck: Any, calib: Any, machine: dict, variants: list
             tb = {p["prompt_tokens"]: p["ttft_ms"]["value"] for p in base["speed"]["prefill"]}
             v["speed"]["prefill_speedup"] = _metric(tb[longest] / t[longest] if longest in tb else None, "x",
                                                     f"TTFT at {longest} tokens, baseline / variant, same run")
-        v["speed"].pop("_bench", None)
         v["quality"]["sensitivity"] = v.pop("_sensitivity", None)
         v["quality"]["mixed_plan"] = v.pop("_mixed", None)
     recipe_json = recipe.model_dump(mode="json")

@@ -135,3 +135,8 @@ def test_eval_text_from_documents_and_stride(tmp_path, tokenizer):
         eval_tokens(EvalTextConfig(source=str(chat), text_field="messages", seq_len=16), tokenizer)
     with pytest.raises(ValueError, match="stride"):
         EvalTextConfig(source="x.txt", seq_len=16, stride=32)
+    from optkit.recipe import ReportConfig
+
+    for bad in ("0.3", "lots"):  # a fraction of free memory means nothing in a committed report
+        with pytest.raises(ValueError, match="memory_budget"):
+            ReportConfig(eval={"source": "x.txt"}, memory_budget=bad)

@@ -74,7 +74,8 @@ def _load_tensors(p: Path, manifest: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _scheme(d: dict) -> QuantScheme:
+def scheme_from_manifest(d: dict) -> QuantScheme:
+    """The QuantScheme of one ``layers.quantized`` manifest entry."""
     return QuantScheme(bits=d["bits"], group_size=d["group_size"], symmetric=d["symmetric"], act_bits=d.get("act_bits"))
 
 
@@ -84,7 +85,7 @@ def load_quantized_weights(path: str | Path) -> dict[str, QuantizedWeight]:
     manifest = read_manifest(p)
     tensors = _load_tensors(p, manifest)
     return {
-        name: unpack_weight(tensors, f"{name}.", _scheme(info))
+        name: unpack_weight(tensors, f"{name}.", scheme_from_manifest(info))
         for name, info in manifest["layers"]["quantized"].items()
     }
 
@@ -104,7 +105,7 @@ def load_dequantized_model(path: str | Path, dtype: torch.dtype = torch.float32)
     state: dict[str, torch.Tensor] = {}
     act_quant: dict[str, QuantizedWeight] = {}
     for name, info in manifest["layers"]["quantized"].items():
-        qw = unpack_weight(tensors, f"{name}.", _scheme(info))
+        qw = unpack_weight(tensors, f"{name}.", scheme_from_manifest(info))
         state[f"{name}.weight"] = qw.dequantize(dtype)
         if qw.scheme.act_bits is not None:
             act_quant[name] = qw

@@ -98,7 +98,7 @@ def bench_decode(engine: LLMEngine, batch: int, s: BenchSettings, rng: random.Ra
         mark = len(engine.runner.timing.history)
         steps = _run_until_done(engine)
         if i >= s.warmup and steps:
-            decoded = sum(1 for _ in steps) * batch
+            decoded = len(steps) * batch
             rates.append(decoded / sum(steps))
             itls.extend(steps)
             hist = engine.runner.timing.history[mark:]

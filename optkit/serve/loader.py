@@ -17,9 +17,8 @@ from safetensors.torch import load_file
 
 from optkit.errors import CheckpointError
 from optkit.export.compressed import STORED_SUFFIXES, unpack_weight
-from optkit.export.reader import MANIFEST, read_manifest
+from optkit.export.reader import MANIFEST, read_manifest, scheme_from_manifest
 from optkit.quantize.rtn import QuantizedWeight
-from optkit.quantize.scheme import QuantScheme
 
 
 @dataclass
@@ -33,10 +32,6 @@ class ModelSource:
     path: str
     schemes: dict[str, int] = field(default_factory=dict)  # scheme label -> number of layers
     synthetic: bool = False
-
-
-def _scheme(d: dict) -> QuantScheme:
-    return QuantScheme(bits=d["bits"], group_size=d["group_size"], symmetric=d["symmetric"], act_bits=d.get("act_bits"))
 
 
 def _tokenizer(path: str, trust_remote_code: bool) -> Any:
@@ -69,7 +64,7 @@ def load_artifact(path: Path, trust_remote_code: bool = False) -> ModelSource:
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     schemes: dict[str, int] = {}
     for name, info in manifest["layers"]["quantized"].items():
-        scheme = _scheme(info)
+        scheme = scheme_from_manifest(info)
         qw = unpack_weight(tensors, f"{name}.", scheme)
         for suffix in STORED_SUFFIXES:
             tensors.pop(f"{name}.{suffix}", None)
